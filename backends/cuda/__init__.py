@@ -1,0 +1,26 @@
+"""CUDA backend: Triton kernels for NVIDIA GPUs, launch shape adapted to the row length.
+
+Implements the backend contract (docs/design.md). The launchers also run on CPU tensors under
+Triton's interpreter (TRITON_INTERPRET=1), which is how CI exercises these kernels.
+"""
+
+import torch
+
+from normkit.backends.cuda.layer_norm import (
+    layer_norm_bwd,
+    layer_norm_fwd,
+    rms_norm_bwd,
+    rms_norm_fwd,
+)
+
+NAME = "cuda"
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+__all__ = [
+    "NAME",
+    "SUPPORTED_DTYPES",
+    "layer_norm_fwd",
+    "layer_norm_bwd",
+    "rms_norm_fwd",
+    "rms_norm_bwd",
+]

@@ -1,0 +1,129 @@
+"""Launch heuristics of the CUDA backend: the one place where tile sizes, warps and grids are chosen.
+
+Every kernel launch in ``backends/cuda`` gets its shape from a function here, as a frozen
+:class:`LaunchConfig`. Thresholds carry the measurement that chose them (docs/perf-notes.md has the
+runs). Speed tuning beyond these first choices is issue 4's work.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# A row whose next power of two is at most this many elements is held in registers by one program
+# (one read of x). Longer rows loop over column tiles and read x twice (stats, then normalize).
+# Measured on H100, bf16, M*N = 2^27 (docs/perf-notes.md, v1): the register-resident forward at
+# N = 16384 runs near copy speed and at 32768 still beats the two-read loop (~0.67 of copy at best).
+FUSED_MAX_N_FWD = 32768
+# The backward keeps x, dy, w and two fp32 accumulators live per element: half the forward's span.
+FUSED_MAX_N_BWD = 16384
+# fp64 rows take twice the registers.
+FP64_DIVISOR = 2
+
+# Elements per program tile when rows are short: small-N rows are packed ROWS to a program so that
+# each program still moves a few KB (one row of N = 64 alone would leave the SM idle).
+TILE_ELEMENTS_FWD = 4096
+TILE_ELEMENTS_BWD = 2048
+MAX_ROWS_PER_PROGRAM = 256
+
+# Column tile of the looped (long-row) kernels.
+LOOP_BLOCK_FWD = 8192
+LOOP_BLOCK_BWD = 2048
+
+# Persistent backward grid: programs per SM. Each program owns one fp32 row of dweight/dbias
+# partials, summed afterwards in a fixed order (deterministic, no atomics).
+PROGRAMS_PER_SM = 2
+
+# Column tile of the partial-sum reduction.
+REDUCE_BLOCK = 1024
+
+# Under the Triton interpreter (CPU tensors) there are no SMs: a small persistent grid keeps the
+# interpreted run short while still exercising the multi-program partial reduction.
+INTERPRETER_SMS = 4
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    block_size: int  # column tile (BLOCK_N)
+    num_warps: int
+    rows_per_program: int  # rows per tile (fused) or per row chunk (looped backward)
+    grid: tuple[int, ...]
+    fused: bool  # the whole row fits one tile held in registers
+
+
+@functools.lru_cache(maxsize=64)
+def _sm_count(device_type: str, index: int | None) -> int:
+    if device_type == "cuda":
+        return torch.cuda.get_device_properties(index).multi_processor_count
+    return INTERPRETER_SMS
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (a fixed small number for CPU tensors)."""
+    index = device.index
+    if device.type == "cuda" and index is None:
+        index = torch.cuda.current_device()
+    return _sm_count(device.type, index)
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of statistics, accumulators and partial sums: fp32, or fp64 for fp64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def tl_acc_dtype(dtype: torch.dtype):
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def _fused_max(limit: int, dtype: torch.dtype) -> int:
+    return limit // FP64_DIVISOR if dtype == torch.float64 else limit
+
+
+def _warps(tile_elements: int, dtype: torch.dtype) -> int:
+    # Aim for ~4 16-byte vectors per thread (32 bf16 or 16 fp32 elements), within 4..32 warps.
+    per_thread = 4 * 128 // torch.finfo(dtype).bits
+    return max(4, min(32, triton.next_power_of_2(max(1, tile_elements // (32 * per_thread)))))
+
+
+def forward(M: int, N: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig:
+    """Row-norm forward: fused (rows in registers) or looped (one program per row)."""
+    block = triton.next_power_of_2(N)
+    if block <= _fused_max(FUSED_MAX_N_FWD, dtype):
+        rows = max(1, min(MAX_ROWS_PER_PROGRAM, TILE_ELEMENTS_FWD // block, triton.next_power_of_2(M)))
+        return LaunchConfig(block, _warps(rows * block, dtype), rows, (triton.cdiv(M, rows),), True)
+    return LaunchConfig(LOOP_BLOCK_FWD, _warps(LOOP_BLOCK_FWD, dtype), 1, (M,), False)
+
+
+def row_sweep(M: int, N: int, dtype: torch.dtype) -> LaunchConfig:
+    """One program per row looping over column tiles (the looped backward's row statistics)."""
+    return LaunchConfig(LOOP_BLOCK_FWD, _warps(LOOP_BLOCK_FWD, dtype), 1, (M,), False)
+
+
+def backward(M: int, N: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig:
+    """Row-norm backward.
+
+    Fused: a persistent grid of ``PROGRAMS_PER_SM * SMs`` programs walks row tiles, keeping its
+    dweight/dbias partial in registers; grid[0] is the number of partial rows.
+    Looped: grid (row chunks, column tiles); each program sweeps a chunk of rows for one column
+    tile; grid[0] row chunks is the number of partial rows.
+    """
+    programs = PROGRAMS_PER_SM * sm_count(device)
+    block = triton.next_power_of_2(N)
+    if block <= _fused_max(FUSED_MAX_N_BWD, dtype):
+        rows = max(1, min(MAX_ROWS_PER_PROGRAM, TILE_ELEMENTS_BWD // block, triton.next_power_of_2(M)))
+        grid = min(programs, triton.cdiv(M, rows))
+        return LaunchConfig(block, _warps(rows * block, dtype), rows, (grid,), True)
+    col_tiles = triton.cdiv(N, LOOP_BLOCK_BWD)
+    chunks = max(1, min(M, triton.cdiv(programs, col_tiles)))
+    rows = triton.cdiv(M, chunks)
+    chunks = triton.cdiv(M, rows)
+    return LaunchConfig(LOOP_BLOCK_BWD, _warps(LOOP_BLOCK_BWD, dtype), rows, (chunks, col_tiles), False)
+
+
+def reduce(N: int) -> LaunchConfig:
+    """Fixed-order column sum of (G, N) partials."""
+    return LaunchConfig(REDUCE_BLOCK, 4, 1, (triton.cdiv(N, REDUCE_BLOCK),), False)

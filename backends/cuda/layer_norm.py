@@ -1,0 +1,376 @@
+"""LayerNorm and RMSNorm on NVIDIA GPUs: kernels, then launchers.
+
+RMSNorm is LayerNorm without centring (no mean, no bias), so both share these kernels through the
+``IS_RMS`` constexpr; Triton compiles each variant separately, so neither pays for the other.
+
+Two shapes of kernel, chosen by ``config.forward`` / ``config.backward`` from the row length:
+- fused: whole rows in registers, ``ROWS`` rows per program; x is read once. The backward runs a
+  persistent grid whose programs keep their dweight/dbias partial sums in registers.
+- looped: rows longer than the register budget loop over column tiles. Forward: one program per
+  row, a statistics sweep (Chan's merge of per-tile mean/M2) then a normalize sweep. Backward: a
+  per-row sweep for the two dx reduction terms, then a (row chunk x column tile) grid computing dx
+  and the dweight/dbias partials.
+Partials are summed in a fixed order by ``reduce.sum_partials``: deterministic, no atomics.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from normkit.backends.common import chan_merge, normalize
+from normkit.backends.cuda import config
+from normkit.backends.cuda.reduce import sum_partials
+
+
+@triton.jit
+def _fwd_fused_kernel(
+    X,  # (M, N) input rows; row stride stride_x, unit column stride
+    Y,  # (M, N) output rows; row stride stride_y
+    W,  # (N,) weight (unread unless HAS_W)
+    B,  # (N,) bias (unread unless HAS_B)
+    Mean,  # (M,) out: row means in ACC (unwritten when IS_RMS)
+    Rstd,  # (M,) out: 1 / sqrt(var + eps) in ACC
+    stride_x,
+    stride_y,
+    M,
+    N,
+    eps,
+    ROWS: tl.constexpr,  # rows per program
+    BLOCK_N: tl.constexpr,  # power of two >= N: a whole row per tile
+    IS_RMS: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    ACC: tl.constexpr,  # math dtype: fp32, fp64 for fp64 inputs
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    row_mask = rows < M
+    col_mask = cols < N
+    mask = row_mask[:, None] & col_mask[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(ACC)
+    if IS_RMS:
+        xc = x
+    else:
+        mean = tl.sum(x, axis=1) / N
+        tl.store(Mean + rows, mean, mask=row_mask)
+        xc = tl.where(mask, x - mean[:, None], 0.0)
+    # Two-pass variance over registers: no E[x^2] - E[x]^2 cancellation for large means.
+    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
+    tl.store(Rstd + rows, rstd, mask=row_mask)
+    y = xc * rstd[:, None]
+    if HAS_W:
+        y = y * tl.load(W + cols, mask=col_mask, other=0.0).to(ACC)[None, :]
+    if HAS_B:
+        y = y + tl.load(B + cols, mask=col_mask, other=0.0).to(ACC)[None, :]
+    tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fwd_looped_kernel(
+    X,  # (M, N) input rows; row stride stride_x
+    Y,  # (M, N) output rows; row stride stride_y
+    W,  # (N,) weight (unread unless HAS_W)
+    B,  # (N,) bias (unread unless HAS_B)
+    Mean,  # (M,) out (unwritten when IS_RMS)
+    Rstd,  # (M,) out
+    stride_x,
+    stride_y,
+    N,
+    eps,
+    BLOCK_N: tl.constexpr,  # column tile; one program per row loops over cdiv(N, BLOCK_N) tiles
+    IS_RMS: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    row = tl.program_id(0)
+    x_row = X + tl.cast(row, tl.int64) * stride_x
+    y_row = Y + tl.cast(row, tl.int64) * stride_y
+    cols = tl.arange(0, BLOCK_N)
+    # Sweep 1: statistics. LayerNorm merges exact per-tile (mean, M2) pairs with Chan's formula,
+    # which stays accurate for large means; RMSNorm only needs the sum of squares.
+    mean = tl.zeros((), ACC)
+    m2 = tl.zeros((), ACC)
+    for start in range(0, N, BLOCK_N):
+        offs = start + cols
+        mask = offs < N
+        x = tl.load(x_row + offs, mask=mask, other=0.0).to(ACC)
+        if IS_RMS:
+            m2 += tl.sum(x * x, axis=0)
+        else:
+            count = tl.cast(tl.minimum(N - start, BLOCK_N), ACC)
+            mean, m2 = chan_merge(mean, m2, x, mask, tl.cast(start, ACC), count)
+    rstd = 1.0 / tl.sqrt(m2 / N + eps)
+    tl.store(Rstd + row, rstd)
+    if not IS_RMS:
+        tl.store(Mean + row, mean)
+    # Sweep 2: normalize.
+    for start in range(0, N, BLOCK_N):
+        offs = start + cols
+        mask = offs < N
+        x = tl.load(x_row + offs, mask=mask, other=0.0).to(ACC)
+        y = normalize(x, mean, rstd, mask, IS_RMS)
+        if HAS_W:
+            y = y * tl.load(W + offs, mask=mask, other=0.0).to(ACC)
+        if HAS_B:
+            y = y + tl.load(B + offs, mask=mask, other=0.0).to(ACC)
+        tl.store(y_row + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bwd_fused_kernel(
+    X,  # (M, N) forward input rows; row stride stride_x
+    DY,  # (M, N) output gradient rows; row stride stride_dy
+    DX,  # (M, N) out: input gradient rows; row stride stride_dx
+    W,  # (N,) weight (unread unless HAS_W)
+    Mean,  # (M,) forward row means (unread when IS_RMS)
+    Rstd,  # (M,) forward 1 / sqrt(var + eps)
+    DW_part,  # (G, N) out, ACC: row g = program g's sum of dy * xhat (written when HAS_W)
+    DB_part,  # (G, N) out, ACC: row g = program g's sum of dy (written when HAS_DB)
+    stride_x,
+    stride_dy,
+    stride_dx,
+    M,
+    N,
+    ROWS: tl.constexpr,  # rows per tile
+    BLOCK_N: tl.constexpr,  # power of two >= N
+    IS_RMS: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_DB: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    if HAS_W:
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(ACC)
+    dw = tl.zeros([BLOCK_N], ACC)
+    db = tl.zeros([BLOCK_N], ACC)
+    # Persistent: program pid takes row tiles pid, pid + G, pid + 2G, ... (a fixed assignment, so
+    # the partial sums, and hence dweight/dbias, are the same on every run).
+    for tile in range(pid, tl.cdiv(M, ROWS), tl.num_programs(0)):
+        rows = tile * ROWS + tl.arange(0, ROWS)
+        row_mask = rows < M
+        mask = row_mask[:, None] & col_mask[None, :]
+        rows64 = rows.to(tl.int64)
+        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(ACC)
+        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(ACC)
+        rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)[:, None]
+        if IS_RMS:
+            mean = 0.0
+        else:
+            mean = tl.load(Mean + rows, mask=row_mask, other=0.0)[:, None]
+        xhat = normalize(x, mean, rstd, mask, IS_RMS)
+        if HAS_W:
+            wdy = dy * w[None, :]
+        else:
+            wdy = dy
+        c1 = tl.sum(xhat * wdy, axis=1)[:, None] / N
+        if IS_RMS:
+            dx = (wdy - xhat * c1) * rstd
+        else:
+            c2 = tl.sum(wdy, axis=1)[:, None] / N
+            dx = (wdy - (xhat * c1 + c2)) * rstd
+        tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        if HAS_W:
+            dw += tl.sum(dy * xhat, axis=0)
+        if HAS_DB:
+            db += tl.sum(dy, axis=0)
+    if HAS_W:
+        tl.store(DW_part + pid * N + cols, dw, mask=col_mask)
+    if HAS_DB:
+        tl.store(DB_part + pid * N + cols, db, mask=col_mask)
+
+
+@triton.jit
+def _bwd_row_terms_kernel(
+    X,  # (M, N) forward input rows; row stride stride_x
+    DY,  # (M, N) output gradient rows; row stride stride_dy
+    W,  # (N,) weight (unread unless HAS_W)
+    Mean,  # (M,) forward row means (unread when IS_RMS)
+    Rstd,  # (M,)
+    C1,  # (M,) out, ACC: mean over the row of xhat * w * dy
+    C2,  # (M,) out, ACC: mean over the row of w * dy (unwritten when IS_RMS)
+    stride_x,
+    stride_dy,
+    N,
+    BLOCK_N: tl.constexpr,  # column tile; one program per row
+    IS_RMS: tl.constexpr,
+    HAS_W: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    row = tl.program_id(0)
+    x_row = X + tl.cast(row, tl.int64) * stride_x
+    dy_row = DY + tl.cast(row, tl.int64) * stride_dy
+    rstd = tl.load(Rstd + row)
+    if IS_RMS:
+        mean = 0.0
+    else:
+        mean = tl.load(Mean + row)
+    cols = tl.arange(0, BLOCK_N)
+    c1 = tl.zeros((), ACC)
+    c2 = tl.zeros((), ACC)
+    for start in range(0, N, BLOCK_N):
+        offs = start + cols
+        mask = offs < N
+        x = tl.load(x_row + offs, mask=mask, other=0.0).to(ACC)
+        wdy = tl.load(dy_row + offs, mask=mask, other=0.0).to(ACC)
+        if HAS_W:
+            wdy = wdy * tl.load(W + offs, mask=mask, other=0.0).to(ACC)
+        c1 += tl.sum(normalize(x, mean, rstd, mask, IS_RMS) * wdy, axis=0)
+        c2 += tl.sum(wdy, axis=0)
+    tl.store(C1 + row, c1 / N)
+    if not IS_RMS:
+        tl.store(C2 + row, c2 / N)
+
+
+@triton.jit
+def _bwd_looped_kernel(
+    X,  # (M, N) forward input rows; row stride stride_x
+    DY,  # (M, N) output gradient rows; row stride stride_dy
+    DX,  # (M, N) out: input gradient rows; row stride stride_dx
+    W,  # (N,) weight (unread unless HAS_W)
+    Mean,  # (M,) forward row means (unread when IS_RMS)
+    Rstd,  # (M,)
+    C1,  # (M,) from _bwd_row_terms_kernel
+    C2,  # (M,) from _bwd_row_terms_kernel (unread when IS_RMS)
+    DW_part,  # (G, N) out, ACC: row g = chunk g's sum of dy * xhat (written when HAS_W)
+    DB_part,  # (G, N) out, ACC: row g = chunk g's sum of dy (written when HAS_DB)
+    stride_x,
+    stride_dy,
+    stride_dx,
+    M,
+    N,
+    rows_per_chunk,  # grid axis 0 = G row chunks of this many rows
+    BLOCK_N: tl.constexpr,  # grid axis 1 = column tiles of BLOCK_N
+    IS_RMS: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_DB: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = cols < N
+    if HAS_W:
+        w = tl.load(W + cols, mask=mask, other=0.0).to(ACC)
+    dw = tl.zeros([BLOCK_N], ACC)
+    db = tl.zeros([BLOCK_N], ACC)
+    row_start = chunk * rows_per_chunk
+    for row in range(row_start, tl.minimum(row_start + rows_per_chunk, M)):
+        row64 = tl.cast(row, tl.int64)
+        x = tl.load(X + row64 * stride_x + cols, mask=mask, other=0.0).to(ACC)
+        dy = tl.load(DY + row64 * stride_dy + cols, mask=mask, other=0.0).to(ACC)
+        rstd = tl.load(Rstd + row)
+        if IS_RMS:
+            mean = 0.0
+        else:
+            mean = tl.load(Mean + row)
+        xhat = normalize(x, mean, rstd, mask, IS_RMS)
+        if HAS_W:
+            wdy = dy * w
+        else:
+            wdy = dy
+        if IS_RMS:
+            dx = (wdy - xhat * tl.load(C1 + row)) * rstd
+        else:
+            dx = (wdy - (xhat * tl.load(C1 + row) + tl.load(C2 + row))) * rstd
+        tl.store(DX + row64 * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
+        if HAS_W:
+            dw += dy * xhat
+        if HAS_DB:
+            db += dy
+    part = tl.cast(chunk, tl.int64) * N + cols
+    if HAS_W:
+        tl.store(DW_part + part, dw, mask=mask)
+    if HAS_DB:
+        tl.store(DB_part + part, db, mask=mask)
+
+
+def _forward(x, weight, bias, eps, is_rms):
+    M, N = x.shape
+    cfg = config.forward(M, N, x.dtype, x.device)
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    rstd = torch.empty(M, dtype=config.acc_dtype(x.dtype), device=x.device)
+    mean = rstd if is_rms else torch.empty_like(rstd)
+    flags = dict(
+        IS_RMS=is_rms,
+        HAS_W=weight is not None,
+        HAS_B=bias is not None,
+        ACC=config.tl_acc_dtype(x.dtype),
+        num_warps=cfg.num_warps,
+    )
+    w = weight if weight is not None else x
+    b = bias if bias is not None else x
+    if cfg.fused:
+        _fwd_fused_kernel[cfg.grid](
+            x, y, w, b, mean, rstd, x.stride(0), y.stride(0), M, N, eps,
+            ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size, **flags,
+        )  # fmt: skip
+    else:
+        _fwd_looped_kernel[cfg.grid](
+            x, y, w, b, mean, rstd, x.stride(0), y.stride(0), N, eps,
+            BLOCK_N=cfg.block_size, **flags,
+        )  # fmt: skip
+    return y, mean, rstd
+
+
+def _backward(dy, x, weight, mean, rstd, bias_dtype, is_rms):
+    M, N = x.shape
+    cfg = config.backward(M, N, x.dtype, x.device)
+    acc = config.acc_dtype(x.dtype)
+    dx = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    has_w, has_db = weight is not None, bias_dtype is not None
+    parts = cfg.grid[0]
+    dw_part = torch.empty((parts, N), dtype=acc, device=x.device) if has_w else rstd
+    db_part = torch.empty((parts, N), dtype=acc, device=x.device) if has_db else rstd
+    w = weight if has_w else x
+    flags = dict(
+        IS_RMS=is_rms, HAS_W=has_w, ACC=config.tl_acc_dtype(x.dtype), num_warps=cfg.num_warps
+    )
+    strides = (x.stride(0), dy.stride(0), dx.stride(0))
+    if cfg.fused:
+        _bwd_fused_kernel[cfg.grid](
+            x, dy, dx, w, mean, rstd, dw_part, db_part, *strides, M, N,
+            ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size, HAS_DB=has_db, **flags,
+        )  # fmt: skip
+    else:
+        c1 = torch.empty(M, dtype=acc, device=x.device)
+        c2 = c1 if is_rms else torch.empty_like(c1)
+        sweep = config.row_sweep(M, N, x.dtype)
+        _bwd_row_terms_kernel[sweep.grid](
+            x, dy, w, mean, rstd, c1, c2, x.stride(0), dy.stride(0), N,
+            BLOCK_N=sweep.block_size, IS_RMS=is_rms, HAS_W=has_w,
+            ACC=config.tl_acc_dtype(x.dtype), num_warps=sweep.num_warps,
+        )  # fmt: skip
+        _bwd_looped_kernel[cfg.grid](
+            x, dy, dx, w, mean, rstd, c1, c2, dw_part, db_part, *strides, M, N,
+            cfg.rows_per_program, BLOCK_N=cfg.block_size, HAS_DB=has_db, **flags,
+        )  # fmt: skip
+    dweight = sum_partials(dw_part, weight.dtype) if has_w else None
+    dbias = sum_partials(db_part, bias_dtype) if has_db else None
+    return dx, dweight, dbias
+
+
+def layer_norm_fwd(x, weight, bias, eps):
+    """x: (M, N) rows -> (y, mean, rstd); see docs/design.md for the contract."""
+    return _forward(x, weight, bias, eps, is_rms=False)
+
+
+def layer_norm_bwd(dy, x, weight, mean, rstd, bias_dtype):
+    """-> (dx, dweight, dbias), None where the forward had no weight / bias."""
+    return _backward(dy, x, weight, mean, rstd, bias_dtype, is_rms=False)
+
+
+def rms_norm_fwd(x, weight, eps):
+    """x: (M, N) rows -> (y, rstd)."""
+    y, _, rstd = _forward(x, weight, None, eps, is_rms=True)
+    return y, rstd
+
+
+def rms_norm_bwd(dy, x, weight, rstd):
+    """-> (dx, dweight), dweight None when the forward had no weight."""
+    dx, dweight, _ = _backward(dy, x, weight, rstd, rstd, None, is_rms=True)
+    return dx, dweight

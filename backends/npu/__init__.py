@@ -1,0 +1,28 @@
+"""NPU backend: Triton kernels written for Ascend NPUs (triton-ascend).
+
+Implements the backend contract (docs/design.md) with Ascend's launch rules (``config.py``): fixed
+1024-element column tiles and a persistent grid of vector-core count programs. fp32 math only, so
+fp64 is not offered. The same kernels run on CPU tensors under Triton's interpreter and on CUDA
+tensors with upstream Triton, which is how they are tested without Ascend hardware.
+"""
+
+import torch
+
+from normkit.backends.npu.layer_norm import (
+    layer_norm_bwd,
+    layer_norm_fwd,
+    rms_norm_bwd,
+    rms_norm_fwd,
+)
+
+NAME = "npu"
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+__all__ = [
+    "NAME",
+    "SUPPORTED_DTYPES",
+    "layer_norm_fwd",
+    "layer_norm_bwd",
+    "rms_norm_fwd",
+    "rms_norm_bwd",
+]

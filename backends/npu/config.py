@@ -1,0 +1,95 @@
+"""Launch rules of the NPU backend (Ascend, triton-ascend): the one place they are decided.
+
+Facts behind them (docs/backends.md has the sources):
+- Norms are vector work, run by the AI cores' vector units; a launch of more programs than vector
+  cores only queues, so kernels run a persistent grid of ``min(vector cores, work items)`` programs
+  and loop over rows (or tiles) inside.
+- The runtime rejects grids above 65535 programs: every grid goes through :func:`persistent_grid`,
+  which checks it.
+- The Unified Buffer (UB) is 192 KB, halved by default double-buffering: ~96 KB for all tiles live
+  at once. Each kernel documents its budget as tiles x BLOCK_SIZE x 4 bytes (fp32 math).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+# Column tile: 1024 fp32 elements = 4 KB, so even the backward's 6 live tiles (24 KB) stay well
+# inside the ~96 KB double-buffered UB budget; it is the tile vllm-ascend's and triton-ascend's own
+# norm kernels use, and a power of two as tl.arange requires. Longer rows loop over tiles.
+BLOCK_SIZE = 1024
+UB_BUDGET_BYTES = 96 * 1024
+
+# Vector cores when the driver cannot be asked (older triton-ascend, or the NPU kernels running on
+# another executor): an Atlas 800 A2 with Ascend910B4 has 20 AI cores x 2 vector cores.
+FALLBACK_VECTOR_CORES = 40
+# Under the Triton interpreter (CPU tensors): a few programs, so persistent loops and the
+# multi-partial reduction are exercised while the interpreted run stays short.
+INTERPRETER_CORES = 4
+
+MAX_GRID = 65535
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    block_size: int  # column tile
+    rows_per_chunk: int  # rows per partial-sum chunk (backward); 1 elsewhere
+    grid: tuple[int]
+
+
+def _query_vector_cores(index: int) -> int:
+    import triton  # the active Triton: triton-ascend on an Ascend host
+
+    try:
+        props = triton.runtime.driver.active.utils.get_device_properties(index)
+        return int(props["num_vectorcore"])
+    except Exception:  # no such driver call or key on this Triton / device
+        return FALLBACK_VECTOR_CORES
+
+
+@functools.lru_cache(maxsize=64)
+def _vector_cores(device_type: str, index: int | None) -> int:
+    if device_type == "cpu":
+        return INTERPRETER_CORES
+    return _query_vector_cores(index)
+
+
+def vector_cores(device: torch.device) -> int:
+    """Vector cores of ``device``, queried once per device from the Triton driver."""
+    index = device.index
+    if device.type != "cpu" and index is None:
+        index = torch.get_device_module(device.type).current_device()
+    return _vector_cores(device.type, index)
+
+
+def persistent_grid(work_items: int, device: torch.device) -> tuple[int]:
+    """``min(vector cores, work items)`` programs (at least 1), never above 65535."""
+    grid = max(1, min(vector_cores(device), work_items))
+    if grid > MAX_GRID:
+        raise RuntimeError(f"NPU launch of {grid} programs exceeds the runtime's limit of {MAX_GRID}")
+    return (grid,)
+
+
+def rows(M: int, device: torch.device) -> LaunchConfig:
+    """Kernels that walk rows: program p takes rows p, p + G, p + 2G, ..."""
+    return LaunchConfig(BLOCK_SIZE, 1, persistent_grid(M, device))
+
+
+def column_tiles(N: int, device: torch.device) -> LaunchConfig:
+    """Kernels that walk column tiles (the partial-sum reduction)."""
+    return LaunchConfig(BLOCK_SIZE, 1, persistent_grid(-(-N // BLOCK_SIZE), device))
+
+
+def row_chunks(M: int, N: int, device: torch.device) -> tuple[LaunchConfig, int]:
+    """Backward dx/dweight kernel: work items are (row chunk, column tile) pairs.
+
+    Returns the config and the number of chunks, which is the number of dweight partial rows.
+    """
+    cores = vector_cores(device)
+    per_chunk = -(-M // max(1, min(M, cores)))
+    chunks = -(-M // per_chunk) if M else 0
+    tiles = -(-N // BLOCK_SIZE)
+    return LaunchConfig(BLOCK_SIZE, per_chunk, persistent_grid(chunks * tiles, device)), chunks

@@ -1,0 +1,266 @@
+"""LayerNorm and RMSNorm for Ascend NPUs (triton-ascend): kernels, then launchers.
+
+Written to the rules in docs/backends.md: fixed column tile BLOCK_SIZE = 1024 looping over N, a
+persistent grid of vector-core count programs looping over rows, fp32 math, only the Triton subset
+both upstream Triton and triton-ascend accept (power-of-two aranges, no pointer selects, no atomics),
+int64 row offsets. RMSNorm shares the kernels through the ``IS_RMS`` constexpr.
+
+Backward: a row sweep computes the two dx reduction terms per row, then programs take
+(row chunk, column tile) work items, write dx and one fp32 dweight/dbias partial row per chunk;
+``_sum_partials_kernel`` adds the partial rows in chunk order (deterministic, no atomics).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from normkit.backends.common import chan_merge, normalize
+from normkit.backends.npu import config
+
+
+@triton.jit
+def _fwd_kernel(
+    X,  # (M, N) input rows; row stride stride_x, unit column stride
+    Y,  # (M, N) output rows; row stride stride_y
+    W,  # (N,) weight (unread unless HAS_W)
+    B,  # (N,) bias (unread unless HAS_B)
+    Mean,  # (M,) out, fp32 (unwritten when IS_RMS)
+    Rstd,  # (M,) out, fp32: 1 / sqrt(var + eps)
+    stride_x,
+    stride_y,
+    M,
+    N,
+    eps,
+    BLOCK_SIZE: tl.constexpr,  # column tile (1024)
+    IS_RMS: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+):
+    # UB: x, w, b tiles live in sweep 2 -> 3 x 1024 x 4 B = 12 KB (budget 96 KB).
+    cols = tl.arange(0, BLOCK_SIZE)
+    for row in range(tl.program_id(0), M, tl.num_programs(0)):
+        x_row = X + tl.cast(row, tl.int64) * stride_x
+        y_row = Y + tl.cast(row, tl.int64) * stride_y
+        mean = 0.0
+        m2 = 0.0
+        for start in range(0, N, BLOCK_SIZE):
+            offs = start + cols
+            mask = offs < N
+            x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+            if IS_RMS:
+                m2 += tl.sum(x * x, axis=0)
+            else:
+                count = tl.cast(tl.minimum(N - start, BLOCK_SIZE), tl.float32)
+                mean, m2 = chan_merge(mean, m2, x, mask, tl.cast(start, tl.float32), count)
+        rstd = 1.0 / tl.sqrt(m2 / N + eps)
+        tl.store(Rstd + row, rstd)
+        if not IS_RMS:
+            tl.store(Mean + row, mean)
+        for start in range(0, N, BLOCK_SIZE):
+            offs = start + cols
+            mask = offs < N
+            x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+            y = normalize(x, mean, rstd, mask, IS_RMS)
+            if HAS_W:
+                y = y * tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+            if HAS_B:
+                y = y + tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(y_row + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bwd_row_terms_kernel(
+    X,  # (M, N) forward input rows; row stride stride_x
+    DY,  # (M, N) output gradient rows; row stride stride_dy
+    W,  # (N,) weight (unread unless HAS_W)
+    Mean,  # (M,) forward row means (unread when IS_RMS)
+    Rstd,  # (M,)
+    C1,  # (M,) out, fp32: mean over the row of xhat * w * dy
+    C2,  # (M,) out, fp32: mean over the row of w * dy (unwritten when IS_RMS)
+    stride_x,
+    stride_dy,
+    M,
+    N,
+    BLOCK_SIZE: tl.constexpr,
+    IS_RMS: tl.constexpr,
+    HAS_W: tl.constexpr,
+):
+    # UB: x, dy, w tiles -> 3 x 4 KB = 12 KB.
+    cols = tl.arange(0, BLOCK_SIZE)
+    for row in range(tl.program_id(0), M, tl.num_programs(0)):
+        x_row = X + tl.cast(row, tl.int64) * stride_x
+        dy_row = DY + tl.cast(row, tl.int64) * stride_dy
+        rstd = tl.load(Rstd + row)
+        if IS_RMS:
+            mean = 0.0
+        else:
+            mean = tl.load(Mean + row)
+        c1 = 0.0
+        c2 = 0.0
+        for start in range(0, N, BLOCK_SIZE):
+            offs = start + cols
+            mask = offs < N
+            x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+            wdy = tl.load(dy_row + offs, mask=mask, other=0.0).to(tl.float32)
+            if HAS_W:
+                wdy = wdy * tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+            c1 += tl.sum(normalize(x, mean, rstd, mask, IS_RMS) * wdy, axis=0)
+            c2 += tl.sum(wdy, axis=0)
+        tl.store(C1 + row, c1 / N)
+        if not IS_RMS:
+            tl.store(C2 + row, c2 / N)
+
+
+@triton.jit
+def _bwd_dx_kernel(
+    X,  # (M, N) forward input rows; row stride stride_x
+    DY,  # (M, N) output gradient rows; row stride stride_dy
+    DX,  # (M, N) out: input gradient rows; row stride stride_dx
+    W,  # (N,) weight (unread unless HAS_W)
+    Mean,  # (M,) forward row means (unread when IS_RMS)
+    Rstd,  # (M,)
+    C1,  # (M,) from _bwd_row_terms_kernel
+    C2,  # (M,) from _bwd_row_terms_kernel (unread when IS_RMS)
+    DW_part,  # (chunks, N) out, fp32: row c = chunk c's sum of dy * xhat (written when HAS_W)
+    DB_part,  # (chunks, N) out, fp32: row c = chunk c's sum of dy (written when HAS_DB)
+    stride_x,
+    stride_dy,
+    stride_dx,
+    M,
+    N,
+    rows_per_chunk,
+    num_items,  # chunks x column tiles; item i = (chunk i // tiles, column tile i % tiles)
+    BLOCK_SIZE: tl.constexpr,
+    IS_RMS: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_DB: tl.constexpr,
+):
+    # UB: x, dy, w, dx, dw, db tiles -> 6 x 4 KB = 24 KB.
+    tiles = tl.cdiv(N, BLOCK_SIZE)
+    for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
+        chunk = item // tiles
+        cols = (item % tiles) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+        mask = cols < N
+        if HAS_W:
+            w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        dw = tl.zeros([BLOCK_SIZE], tl.float32)
+        db = tl.zeros([BLOCK_SIZE], tl.float32)
+        row_start = chunk * rows_per_chunk
+        for row in range(row_start, tl.minimum(row_start + rows_per_chunk, M)):
+            row64 = tl.cast(row, tl.int64)
+            x = tl.load(X + row64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(DY + row64 * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.load(Rstd + row)
+            if IS_RMS:
+                mean = 0.0
+            else:
+                mean = tl.load(Mean + row)
+            xhat = normalize(x, mean, rstd, mask, IS_RMS)
+            if HAS_W:
+                wdy = dy * w
+            else:
+                wdy = dy
+            if IS_RMS:
+                dx = (wdy - xhat * tl.load(C1 + row)) * rstd
+            else:
+                dx = (wdy - (xhat * tl.load(C1 + row) + tl.load(C2 + row))) * rstd
+            tl.store(DX + row64 * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
+            if HAS_W:
+                dw += dy * xhat
+            if HAS_DB:
+                db += dy
+        part = tl.cast(chunk, tl.int64) * N + cols
+        if HAS_W:
+            tl.store(DW_part + part, dw, mask=mask)
+        if HAS_DB:
+            tl.store(DB_part + part, db, mask=mask)
+
+
+@triton.jit
+def _sum_partials_kernel(
+    P,  # (G, N) fp32 partial sums, contiguous
+    Out,  # (N,) result in the parameter's dtype
+    G,
+    N,
+    BLOCK_SIZE: tl.constexpr,
+):
+    # UB: one accumulator + one loaded tile -> 8 KB. Rows are added in order 0..G-1.
+    for tile in range(tl.program_id(0), tl.cdiv(N, BLOCK_SIZE), tl.num_programs(0)):
+        cols = tile * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+        mask = cols < N
+        acc = tl.zeros([BLOCK_SIZE], tl.float32)
+        for g in range(0, G):
+            acc += tl.load(P + tl.cast(g, tl.int64) * N + cols, mask=mask, other=0.0)
+        tl.store(Out + cols, acc.to(Out.dtype.element_ty), mask=mask)
+
+
+def _sum_partials(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    G, N = partials.shape
+    out = torch.empty(N, dtype=dtype, device=partials.device)
+    cfg = config.column_tiles(N, partials.device)
+    _sum_partials_kernel[cfg.grid](partials, out, G, N, BLOCK_SIZE=cfg.block_size)
+    return out
+
+
+def _forward(x, weight, bias, eps, is_rms):
+    M, N = x.shape
+    cfg = config.rows(M, x.device)
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    rstd = torch.empty(M, dtype=torch.float32, device=x.device)
+    mean = rstd if is_rms else torch.empty_like(rstd)
+    _fwd_kernel[cfg.grid](
+        x, y, weight if weight is not None else x, bias if bias is not None else x, mean, rstd,
+        x.stride(0), y.stride(0), M, N, eps,
+        BLOCK_SIZE=cfg.block_size, IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=bias is not None,
+    )  # fmt: skip
+    return y, mean, rstd
+
+
+def _backward(dy, x, weight, mean, rstd, bias_dtype, is_rms):
+    M, N = x.shape
+    has_w, has_db = weight is not None, bias_dtype is not None
+    w = weight if has_w else x
+    c1 = torch.empty(M, dtype=torch.float32, device=x.device)
+    c2 = c1 if is_rms else torch.empty_like(c1)
+    sweep = config.rows(M, x.device)
+    _bwd_row_terms_kernel[sweep.grid](
+        x, dy, w, mean, rstd, c1, c2, x.stride(0), dy.stride(0), M, N,
+        BLOCK_SIZE=sweep.block_size, IS_RMS=is_rms, HAS_W=has_w,
+    )  # fmt: skip
+    cfg, chunks = config.row_chunks(M, N, x.device)
+    dx = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    dw_part = torch.empty((chunks, N), dtype=torch.float32, device=x.device) if has_w else c1
+    db_part = torch.empty((chunks, N), dtype=torch.float32, device=x.device) if has_db else c1
+    _bwd_dx_kernel[cfg.grid](
+        x, dy, dx, w, mean, rstd, c1, c2, dw_part, db_part,
+        x.stride(0), dy.stride(0), dx.stride(0), M, N,
+        cfg.rows_per_chunk, chunks * triton.cdiv(N, cfg.block_size),
+        BLOCK_SIZE=cfg.block_size, IS_RMS=is_rms, HAS_W=has_w, HAS_DB=has_db,
+    )  # fmt: skip
+    dweight = _sum_partials(dw_part, weight.dtype) if has_w else None
+    dbias = _sum_partials(db_part, bias_dtype) if has_db else None
+    return dx, dweight, dbias
+
+
+def layer_norm_fwd(x, weight, bias, eps):
+    """x: (M, N) rows -> (y, mean, rstd); see docs/design.md for the contract."""
+    return _forward(x, weight, bias, eps, is_rms=False)
+
+
+def layer_norm_bwd(dy, x, weight, mean, rstd, bias_dtype):
+    """-> (dx, dweight, dbias), None where the forward had no weight / bias."""
+    return _backward(dy, x, weight, mean, rstd, bias_dtype, is_rms=False)
+
+
+def rms_norm_fwd(x, weight, eps):
+    """x: (M, N) rows -> (y, rstd)."""
+    y, _, rstd = _forward(x, weight, None, eps, is_rms=True)
+    return y, rstd
+
+
+def rms_norm_bwd(dy, x, weight, rstd):
+    """-> (dx, dweight), dweight None when the forward had no weight."""
+    dx, dweight, _ = _backward(dy, x, weight, rstd, rstd, None, is_rms=True)
+    return dx, dweight

@@ -1,0 +1,21 @@
+"""normkit: normalization kernels in Triton for NVIDIA GPUs and Ascend NPUs.
+
+``normkit.layer_norm(x, ...)`` works like ``torch.nn.functional.layer_norm(x, ...)`` on ``cuda``,
+``npu`` and ``cpu`` tensors; the backend is chosen per call from ``x.device``.
+"""
+
+from normkit.dispatch import backend_for, backend_name_for
+from normkit.errors import InvalidArgument, InvalidDtype
+from normkit.functional import layer_norm, rms_norm
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "layer_norm",
+    "rms_norm",
+    "backend_for",
+    "backend_name_for",
+    "InvalidArgument",
+    "InvalidDtype",
+    "__version__",
+]

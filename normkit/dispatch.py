@@ -1,0 +1,76 @@
+"""Device type -> backend module, chosen per call from the input's device.
+
+Backends are imported lazily, on the first call that needs them: a CUDA machine never imports the
+NPU backend's launch code paths it does not use, and a CPU machine never needs a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import importlib
+from types import ModuleType
+from typing import Iterator, Mapping
+
+import torch
+
+from normkit.errors import InvalidArgument
+
+# Adding a backend = a new folder under backends/ + one line here.
+_REGISTRY: Mapping[str, str] = {
+    "cuda": "normkit.backends.cuda",
+    "npu": "normkit.backends.npu",
+    "cpu": "normkit.reference",
+}
+
+# Per-context overrides, used by the test suite and `normkit check --interpret` to run a Triton
+# backend's kernels on CPU tensors (interpreter) or the NPU kernels on a CUDA GPU.
+_OVERRIDES: contextvars.ContextVar[Mapping[str, str]] = contextvars.ContextVar(
+    "normkit_backend_overrides", default={}
+)
+
+
+def registered() -> dict[str, str]:
+    """Device type -> module name of the backend serving it (overrides in effect included)."""
+    return {**_REGISTRY, **_OVERRIDES.get()}
+
+
+def backend_name_for(device: torch.device | str) -> str:
+    """Module name of the backend that serves ``device`` (e.g. ``"normkit.backends.cuda"``)."""
+    device_type = torch.device(device).type
+    table = registered()
+    if device_type not in table:
+        raise InvalidArgument(
+            f"input is on device type '{device_type}', which no normkit backend serves; "
+            f"supported device types: {', '.join(sorted(table))}"
+        )
+    return table[device_type]
+
+
+def backend_for(device: torch.device | str) -> ModuleType:
+    """The backend module that serves ``device``, imported on first use."""
+    return importlib.import_module(backend_name_for(device))
+
+
+@contextlib.contextmanager
+def use_backend(device_type: str, module_name: str) -> Iterator[None]:
+    """Serve ``device_type`` with ``module_name`` inside the block (this context only)."""
+    token = _OVERRIDES.set({**_OVERRIDES.get(), device_type: module_name})
+    try:
+        yield
+    finally:
+        _OVERRIDES.reset(token)
+
+
+def backend_for_tensors(input: torch.Tensor, **others: torch.Tensor | None) -> ModuleType:
+    """Backend for ``input``'s device, after checking every other tensor lives on that device.
+
+    ``others`` maps argument names to tensors (or None), so an error can name the argument.
+    """
+    for name, tensor in others.items():
+        if tensor is not None and tensor.device != input.device:
+            raise InvalidArgument(
+                f"{name} is on device {tensor.device} but input is on {input.device}; "
+                f"all tensors of one call must be on the same device"
+            )
+    return backend_for(input.device)

@@ -1,0 +1,165 @@
+"""torch.nn.functional-compatible entry points: validate, flatten to rows, dispatch, autograd.
+
+Each op flattens its input to a 2-D row view ``(M, N)`` (N = product of ``normalized_shape``),
+picks the backend for the input's device (:mod:`normkit.dispatch`), and runs one device-agnostic
+``torch.autograd.Function`` that calls that backend's contract. Backward uses the backend chosen in
+forward and recomputes its own launch settings.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from types import ModuleType
+from typing import Sequence
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from normkit import dispatch, reference
+from normkit.errors import InvalidArgument, InvalidDtype
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _dtype_names(dtypes) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def _check_tensor(op: str, name: str, value, required: bool) -> None:
+    if value is None and not required:
+        return
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.dtype not in _FLOAT_DTYPES:
+        raise InvalidDtype(
+            f"{op}: {name} has dtype {value.dtype}; accepted: {_dtype_names(_FLOAT_DTYPES)}"
+        )
+
+
+def _normalized_shape(op: str, input: torch.Tensor, normalized_shape) -> tuple[int, ...]:
+    if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
+        shape = (int(normalized_shape),)
+    elif isinstance(normalized_shape, Sequence) and all(
+        isinstance(d, numbers.Integral) and not isinstance(d, bool) for d in normalized_shape
+    ):
+        shape = tuple(int(d) for d in normalized_shape)
+    else:
+        raise TypeError(
+            f"{op}: normalized_shape must be an int or a sequence of ints, got {normalized_shape!r}"
+        )
+    if len(shape) == 0:
+        raise InvalidArgument(f"{op}: normalized_shape must have at least one dimension, got ()")
+    if tuple(input.shape[input.dim() - len(shape):]) != shape or input.dim() < len(shape):
+        raise InvalidArgument(
+            f"{op}: normalized_shape {list(shape)} does not match the trailing dims of input "
+            f"with shape {list(input.shape)}; expected input.shape[-{len(shape)}:] == {list(shape)}"
+        )
+    return shape
+
+
+def _check_param(op: str, name: str, value, shape: tuple[int, ...]) -> None:
+    _check_tensor(op, name, value, required=False)
+    if value is not None and tuple(value.shape) != shape:
+        raise InvalidArgument(
+            f"{op}: {name} has shape {list(value.shape)}; expected normalized_shape {list(shape)}"
+        )
+
+
+def _check_eps(op: str, eps) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"{op}: eps must be a real number >= 0, got {eps!r}")
+    if not (eps >= 0 and math.isfinite(eps)):
+        raise InvalidArgument(f"{op}: eps must be a finite number >= 0, got {eps!r}")
+    return float(eps)
+
+
+def _backend(op: str, input: torch.Tensor, **params) -> ModuleType:
+    backend = dispatch.backend_for_tensors(input, **params)
+    if input.dtype not in backend.SUPPORTED_DTYPES:
+        raise InvalidDtype(
+            f"{op}: input has dtype {input.dtype}, which the {backend.NAME} backend serving "
+            f"{input.device.type} does not support; accepted: {_dtype_names(backend.SUPPORTED_DTYPES)}"
+        )
+    return backend
+
+
+def _unit_stride(rows: torch.Tensor) -> torch.Tensor:
+    """Kernels take any row stride but need unit-stride columns: copy only when they are not."""
+    return rows.contiguous() if rows.numel() and rows.stride(1) != 1 else rows
+
+
+def _flat_param(p: torch.Tensor | None) -> torch.Tensor | None:
+    return None if p is None else p.reshape(-1).contiguous()
+
+
+def _prepare(op, input, normalized_shape, eps, **params):
+    """Validate everything and return (backend, (M, N) rows of input, flat params, eps)."""
+    _check_tensor(op, "input", input, required=True)
+    shape = _normalized_shape(op, input, normalized_shape)
+    for name, value in params.items():
+        _check_param(op, name, value, shape)
+    eps = _check_eps(op, eps)
+    backend = _backend(op, input, **params)
+    m = math.prod(input.shape[: input.dim() - len(shape)])
+    x = _unit_stride(input.reshape(m, math.prod(shape)))
+    if x.numel() == 0:
+        backend = reference  # nothing to launch: plain torch gives the empty results (and zero grads)
+    flat = {name: _flat_param(value) for name, value in params.items()}
+    return backend, x, flat, eps
+
+
+class _LayerNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, backend):
+        y, mean, rstd = backend.layer_norm_fwd(x, weight, bias, eps)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.backend = backend
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        x, weight, mean, rstd = ctx.saved_tensors
+        dy = _unit_stride(dy)
+        dx, dweight, dbias = ctx.backend.layer_norm_bwd(dy, x, weight, mean, rstd, ctx.bias_dtype)
+        return dx, dweight, dbias, None, None
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, backend):
+        y, rstd = backend.rms_norm_fwd(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.backend = backend
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        dy = _unit_stride(dy)
+        dx, dweight = ctx.backend.rms_norm_bwd(dy, x, weight, rstd)
+        return dx, dweight, None, None
+
+
+def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+    """Same signature and semantics as :func:`torch.nn.functional.layer_norm`."""
+    backend, x, p, eps = _prepare(
+        "layer_norm", input, normalized_shape, eps, weight=weight, bias=bias
+    )
+    y = _LayerNorm.apply(x, p["weight"], p["bias"], eps, backend)
+    return y.view(input.shape)
+
+
+def rms_norm(input, normalized_shape, weight=None, eps=None):
+    """Same signature and semantics as :func:`torch.nn.functional.rms_norm`.
+
+    ``eps=None`` means ``torch.finfo(input.dtype).eps``, as in torch.
+    """
+    if eps is None and isinstance(input, torch.Tensor) and input.dtype.is_floating_point:
+        eps = torch.finfo(input.dtype).eps
+    backend, x, p, eps = _prepare("rms_norm", input, normalized_shape, eps, weight=weight)
+    y = _RMSNorm.apply(x, p["weight"], eps, backend)
+    return y.view(input.shape)

@@ -8,6 +8,7 @@ forward and recomputes its own launch settings.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 from types import ModuleType
@@ -109,10 +110,18 @@ def _prepare(op, input, normalized_shape, eps, **params):
     return backend, x, flat, eps
 
 
+def _on(device: torch.device):
+    """Make ``device`` current for the launch (a tensor on cuda:1 launches on cuda:1)."""
+    if device.type == "cpu":
+        return contextlib.nullcontext()
+    return torch.get_device_module(device.type).device(device)
+
+
 class _LayerNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps, backend):
-        y, mean, rstd = backend.layer_norm_fwd(x, weight, bias, eps)
+        with _on(x.device):
+            y, mean, rstd = backend.layer_norm_fwd(x, weight, bias, eps)
         ctx.save_for_backward(x, weight, mean, rstd)
         ctx.backend = backend
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -123,14 +132,18 @@ class _LayerNorm(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, mean, rstd = ctx.saved_tensors
         dy = _unit_stride(dy)
-        dx, dweight, dbias = ctx.backend.layer_norm_bwd(dy, x, weight, mean, rstd, ctx.bias_dtype)
+        with _on(x.device):
+            dx, dweight, dbias = ctx.backend.layer_norm_bwd(
+                dy, x, weight, mean, rstd, ctx.bias_dtype
+            )
         return dx, dweight, dbias, None, None
 
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps, backend):
-        y, rstd = backend.rms_norm_fwd(x, weight, eps)
+        with _on(x.device):
+            y, rstd = backend.rms_norm_fwd(x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
         ctx.backend = backend
         return y
@@ -140,7 +153,8 @@ class _RMSNorm(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
         dy = _unit_stride(dy)
-        dx, dweight = ctx.backend.rms_norm_bwd(dy, x, weight, rstd)
+        with _on(x.device):
+            dx, dweight = ctx.backend.rms_norm_bwd(dy, x, weight, rstd)
         return dx, dweight, None, None
 
 

@@ -54,9 +54,13 @@ def _fwd_fused_kernel(
     if IS_RMS:
         xc = x
     else:
-        mean = tl.sum(x, axis=1) / N
-        tl.store(Mean + rows, mean, mask=row_mask)
-        xc = tl.where(mask, x - mean[:, None], 0.0)
+        # Statistics of x - x[row, 0]: exact differences, so the mean (and y) stay accurate for
+        # rows whose mean dwarfs their spread (x = 1e4 + randn).
+        shift = tl.load(X + rows64 * stride_x, mask=row_mask, other=0.0).to(ACC)[:, None]
+        xs = tl.where(mask, x - shift, 0.0)
+        mean_s = tl.sum(xs, axis=1)[:, None] / N
+        tl.store(Mean + rows[:, None], shift + mean_s, mask=row_mask[:, None])
+        xc = tl.where(mask, xs - mean_s, 0.0)
     # Two-pass variance over registers: no E[x^2] - E[x]^2 cancellation for large means.
     rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
     tl.store(Rstd + rows, rstd, mask=row_mask)
@@ -90,8 +94,12 @@ def _fwd_looped_kernel(
     x_row = X + tl.cast(row, tl.int64) * stride_x
     y_row = Y + tl.cast(row, tl.int64) * stride_y
     cols = tl.arange(0, BLOCK_N)
-    # Sweep 1: statistics. LayerNorm merges exact per-tile (mean, M2) pairs with Chan's formula,
-    # which stays accurate for large means; RMSNorm only needs the sum of squares.
+    # Sweep 1: statistics. LayerNorm merges per-tile (mean, M2) pairs of x - x[row, 0] with
+    # Chan's formula (exact differences; accurate for large means); RMSNorm sums squares.
+    if IS_RMS:
+        shift = 0.0
+    else:
+        shift = tl.load(x_row).to(ACC)
     mean = tl.zeros((), ACC)
     m2 = tl.zeros((), ACC)
     for start in range(0, N, BLOCK_N):
@@ -102,17 +110,18 @@ def _fwd_looped_kernel(
             m2 += tl.sum(x * x, axis=0)
         else:
             count = tl.cast(tl.minimum(N - start, BLOCK_N), ACC)
-            mean, m2 = chan_merge(mean, m2, x, mask, tl.cast(start, ACC), count)
+            xs = tl.where(mask, x - shift, 0.0)
+            mean, m2 = chan_merge(mean, m2, xs, mask, tl.cast(start, ACC), count)
     rstd = 1.0 / tl.sqrt(m2 / N + eps)
     tl.store(Rstd + row, rstd)
     if not IS_RMS:
-        tl.store(Mean + row, mean)
+        tl.store(Mean + row, shift + mean)
     # Sweep 2: normalize.
     for start in range(0, N, BLOCK_N):
         offs = start + cols
         mask = offs < N
         x = tl.load(x_row + offs, mask=mask, other=0.0).to(ACC)
-        y = normalize(x, mean, rstd, mask, IS_RMS)
+        y = normalize(x - shift, mean, rstd, mask, IS_RMS)
         if HAS_W:
             y = y * tl.load(W + offs, mask=mask, other=0.0).to(ACC)
         if HAS_B:

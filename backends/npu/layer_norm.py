@@ -43,6 +43,12 @@ def _fwd_kernel(
     for row in range(tl.program_id(0), M, tl.num_programs(0)):
         x_row = X + tl.cast(row, tl.int64) * stride_x
         y_row = Y + tl.cast(row, tl.int64) * stride_y
+        # Statistics of x - x[row, 0] (exact differences: accurate for large means), merged
+        # tile by tile with Chan's formula; RMSNorm sums squares.
+        if IS_RMS:
+            shift = 0.0
+        else:
+            shift = tl.load(x_row).to(tl.float32)
         mean = 0.0
         m2 = 0.0
         for start in range(0, N, BLOCK_SIZE):
@@ -53,16 +59,17 @@ def _fwd_kernel(
                 m2 += tl.sum(x * x, axis=0)
             else:
                 count = tl.cast(tl.minimum(N - start, BLOCK_SIZE), tl.float32)
-                mean, m2 = chan_merge(mean, m2, x, mask, tl.cast(start, tl.float32), count)
+                xs = tl.where(mask, x - shift, 0.0)
+                mean, m2 = chan_merge(mean, m2, xs, mask, tl.cast(start, tl.float32), count)
         rstd = 1.0 / tl.sqrt(m2 / N + eps)
         tl.store(Rstd + row, rstd)
         if not IS_RMS:
-            tl.store(Mean + row, mean)
+            tl.store(Mean + row, shift + mean)
         for start in range(0, N, BLOCK_SIZE):
             offs = start + cols
             mask = offs < N
             x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-            y = normalize(x, mean, rstd, mask, IS_RMS)
+            y = normalize(x - shift, mean, rstd, mask, IS_RMS)
             if HAS_W:
                 y = y * tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
             if HAS_B:

@@ -1,0 +1,224 @@
+"""Tolerances, executors and comparison helpers shared by tests/, `normkit check` and benchmarks.
+
+Every backend is compared against :mod:`normkit.reference` computed in fp64 on the same (already
+rounded) inputs, so the tolerance only has to cover the kernel's fp32 math and the rounding of its
+outputs to the input dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import math
+import os
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+import normkit
+from normkit import dispatch, reference
+
+OPS = ("layer_norm", "rms_norm")
+
+# (atol, rtol) per dtype. "fwd": y. "bwd": dx. "param": dweight / dbias, whose atol is further
+# multiplied by sqrt(M) (a sum over M rows: fp32 rounding grows like a random walk).
+# fp16 / bf16 outputs carry half an ulp of rounding (2^-11 / 2^-8 relative); the margins above that
+# cover fp32 statistics. fp32 outputs differ from fp64 by fp32 reductions over up to 2^20 elements.
+TOLERANCES: dict[str, dict[torch.dtype, tuple[float, float]]] = {
+    "fwd": {
+        torch.float16: (2e-3, 2e-3),
+        torch.bfloat16: (1.6e-2, 1.6e-2),
+        torch.float32: (2e-5, 2e-5),
+        torch.float64: (1e-10, 1e-10),
+    },
+    "bwd": {
+        torch.float16: (5e-3, 5e-3),
+        torch.bfloat16: (3e-2, 3e-2),
+        torch.float32: (1e-4, 1e-4),
+        torch.float64: (1e-10, 1e-10),
+    },
+    "param": {
+        torch.float16: (5e-3, 5e-3),
+        torch.bfloat16: (3e-2, 3e-2),
+        torch.float32: (1e-4, 1e-4),
+        torch.float64: (1e-10, 1e-10),
+    },
+}
+
+
+def tolerance(dtype: torch.dtype, kind: str, rows: int = 1) -> tuple[float, float]:
+    atol, rtol = TOLERANCES[kind][dtype]
+    if kind == "param":
+        atol *= math.sqrt(max(rows, 1))
+    return atol, rtol
+
+
+def assert_close(actual, expected, dtype, kind, name, rows=1):
+    """Compare ``actual`` with the fp64 ``expected`` under the table's tolerance for ``dtype``."""
+    atol, rtol = tolerance(dtype, kind, rows)
+    assert actual.shape == expected.shape, f"{name}: shape {actual.shape} != {expected.shape}"
+    torch.testing.assert_close(
+        actual.detach().double(),
+        expected.detach().double(),
+        atol=atol,
+        rtol=rtol,
+        msg=lambda m: f"{name} ({dtype}, {kind} tolerance atol={atol:.1e} rtol={rtol:.1e}): {m}",
+    )
+
+
+# --- executors: which backend's kernels run on which device -------------------------------------
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def npu_status() -> tuple[bool, str]:
+    """Whether an Ascend NPU can be used; never imports torch_npu where it is not installed."""
+    if importlib.util.find_spec("torch_npu") is None:
+        return False, "torch_npu is not installed (needs an Ascend host with CANN)"
+    importlib.import_module("torch_npu")
+    if not torch.npu.is_available():
+        return False, "torch_npu is installed but reports no NPU"
+    return True, ""
+
+
+@dataclass(frozen=True)
+class Executor:
+    """Run ``backend``'s kernels on tensors of ``device`` (cpu = Triton interpreter)."""
+
+    backend: str  # "cuda" | "npu" | "reference"
+    device: str  # "cpu" | "cuda" | "npu"
+
+    @property
+    def module(self) -> str:
+        return "normkit.reference" if self.backend == "reference" else f"normkit.backends.{self.backend}"
+
+    @property
+    def name(self) -> str:
+        if self.backend == "reference":
+            return "reference"
+        if self.device == "cpu":
+            return f"{self.backend}-kernels-interpreter"
+        return self.backend if self.backend == self.device else f"{self.backend}-kernels-on-{self.device}"
+
+    def status(self) -> tuple[bool, str]:
+        """(available, reason when not)."""
+        if self.backend == "reference":
+            return True, ""
+        if self.device == "cpu":
+            if not interpreting():
+                return False, "Triton kernels on CPU tensors need TRITON_INTERPRET=1 (set by tests/conftest.py on machines without GPU/NPU)"
+            return True, ""
+        if self.device == "cuda":
+            ok, reason = torch.cuda.is_available(), "no CUDA GPU available"
+        else:
+            ok, reason = npu_status()
+        if ok and interpreting():
+            ok, reason = False, f"TRITON_INTERPRET=1 is set: {self.device} kernels are not compiled"
+        return ok, "" if ok else reason
+
+    @property
+    def dtypes(self) -> tuple[torch.dtype, ...]:
+        return importlib.import_module(self.module).SUPPORTED_DTYPES
+
+    @contextlib.contextmanager
+    def activate(self) -> Iterator[None]:
+        with dispatch.use_backend(self.device, self.module):
+            yield
+
+
+# --- running an op both ways ---------------------------------------------------------------------
+
+
+def make_inputs(op, shape, normalized_ndim, dtype, device, weight=True, bias=True, mean=0.0, seed=0):
+    """Fresh random x, weight, bias, dy (never zeros); weight/bias None when not asked for."""
+    g = torch.Generator().manual_seed(seed)
+    norm_shape = tuple(shape[len(shape) - normalized_ndim:])
+
+    def rand(s, scale=1.0, offset=0.0):
+        return (torch.randn(s, generator=g, dtype=torch.float64) * scale + offset).to(dtype).to(device)
+
+    return dict(
+        x=rand(shape, 1.0, mean),
+        weight=rand(norm_shape, 0.5, 1.0) if weight else None,
+        bias=rand(norm_shape, 0.5) if (bias and op == "layer_norm") else None,
+        dy=rand(shape),
+        normalized_shape=norm_shape,
+    )
+
+
+def resolve_eps(op, eps, dtype):
+    if eps is None and op == "rms_norm":
+        return torch.finfo(dtype).eps
+    return eps
+
+
+def reference_results(op, x, weight, bias, dy, normalized_shape, eps):
+    """fp64 outputs and gradients from normkit.reference's contract (no dispatch involved)."""
+    n = math.prod(normalized_shape)
+    m = x.numel() // n if n else 0
+    up = lambda t: None if t is None else t.detach().double().reshape(-1)  # noqa: E731
+    x2, dy2 = x.detach().double().reshape(m, n), dy.detach().double().reshape(m, n)
+    w, b = up(weight), up(bias)
+    eps = resolve_eps(op, eps, x.dtype)
+    if op == "layer_norm":
+        y, mean, rstd = reference.layer_norm_fwd(x2, w, b, eps)
+        dx, dw, db = reference.layer_norm_bwd(dy2, x2, w, mean, rstd, None if b is None else b.dtype)
+    else:
+        y, rstd = reference.rms_norm_fwd(x2, w, eps)
+        dx, dw = reference.rms_norm_bwd(dy2, x2, w, rstd)
+        db = None
+    shape = lambda t, like: None if t is None else t.reshape(like.shape)  # noqa: E731
+    return dict(y=y.reshape(x.shape), dx=dx.reshape(x.shape), dweight=shape(dw, weight), dbias=shape(db, bias))
+
+
+def public_results(op, x, weight, bias, dy, normalized_shape, eps):
+    """Outputs and gradients through the public API and autograd (whatever backend serves x)."""
+    x = x.detach().requires_grad_(True)
+    params = [p.detach().requires_grad_(True) if p is not None else None for p in (weight, bias)]
+    weight, bias = params
+    if op == "layer_norm":
+        y = normkit.layer_norm(x, normalized_shape, weight, bias, eps=1e-5 if eps is None else eps)
+    else:
+        y = normkit.rms_norm(x, normalized_shape, weight, eps=eps)
+    y.backward(dy)
+    grad = lambda p: None if p is None else p.grad  # noqa: E731
+    return dict(y=y.detach(), dx=x.grad, dweight=grad(weight), dbias=grad(bias))
+
+
+def poison_allocator(device) -> None:
+    """Leave NaN in the caching allocator's free blocks, so unwritten outputs show up as NaN."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return  # large CPU allocations come fresh from the OS (zeros): the reference is never 0
+    for numel in (1 << 18, 1 << 18, 1 << 26):  # small-pool and large-pool blocks
+        torch.full((numel,), float("nan"), device=device)
+
+
+def check_case(op, shape, normalized_ndim=1, dtype=torch.float32, device="cpu", *, weight=True,
+               bias=True, eps=None, mean=0.0, seed=0):
+    """Run one case fwd+bwd through the public API and assert it matches the fp64 reference.
+
+    Returns the max abs error of each output, for reports.
+    """  # fmt: skip
+    if op == "layer_norm" and eps is None:
+        eps = 1e-5
+    inputs = make_inputs(op, shape, normalized_ndim, dtype, device, weight, bias, mean, seed)
+    ref = reference_results(op, eps=eps, **inputs)
+    poison_allocator(device)
+    out = public_results(op, eps=eps, **inputs)
+    rows = math.prod(shape[: len(shape) - normalized_ndim])
+    errors = {}
+    for key, kind in (("y", "fwd"), ("dx", "bwd"), ("dweight", "param"), ("dbias", "param")):
+        if ref[key] is None:
+            assert out[key] is None, f"{key}: expected None (no such input), got a tensor"
+            continue
+        assert out[key].dtype == (inputs["x"] if key in ("y", "dx") else inputs[key[1:]]).dtype, (
+            f"{key}: dtype {out[key].dtype}"
+        )
+        assert_close(out[key], ref[key], dtype, kind, key, rows)
+        errors[key] = (out[key].double() - ref[key]).abs().max().item() if out[key].numel() else 0.0
+    return errors

@@ -1,0 +1,56 @@
+"""Device/backend parametrization for the whole suite.
+
+Executors pair a backend's kernels with the device they run on:
+  cuda-kernels-interpreter, npu-kernels-interpreter   CPU tensors, TRITON_INTERPRET=1 (no marker)
+  cuda, npu-kernels-on-cuda                            a CUDA GPU            (marker: cuda)
+  npu                                                  an Ascend NPU         (marker: npu)
+Each skips with the reason when its device is absent. On a machine with neither GPU nor NPU,
+TRITON_INTERPRET=1 is set here, before any kernel module is imported, so plain `pytest` runs both
+backends' kernels through the interpreter.
+"""
+
+import os
+
+import pytest
+import torch
+
+from normkit.testing import Executor, npu_status
+
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available() and not npu_status()[0]:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+INTERPRETER = [Executor("cuda", "cpu"), Executor("npu", "cpu")]
+DEVICE = [
+    (Executor("cuda", "cuda"), pytest.mark.cuda),
+    (Executor("npu", "cuda"), pytest.mark.cuda),
+    (Executor("npu", "npu"), pytest.mark.npu),
+]
+
+
+def executor_params(interpreter_cases, device_cases):
+    """pytest.params of (executor, *case): small cases under the interpreter, full ones on devices."""
+    params = []
+    for ex in INTERPRETER:
+        params += [pytest.param(ex, *case, id=f"{ex.name}-{_id(case)}") for case in interpreter_cases]
+    for ex, mark in DEVICE:
+        params += [pytest.param(ex, *case, id=f"{ex.name}-{_id(case)}", marks=mark) for case in device_cases]
+    return params
+
+
+def _id(case):
+    return "-".join(str(c).replace("torch.", "").replace(" ", "") for c in case)
+
+
+@pytest.fixture
+def run_on():
+    """Activate an executor for the test body, or skip with the reason it is unavailable."""
+
+    def activate(ex, dtype=None):
+        ok, reason = ex.status()
+        if not ok:
+            pytest.skip(f"{ex.name}: {reason}")
+        if dtype is not None and dtype not in ex.dtypes:
+            pytest.skip(f"{ex.name}: {dtype} is not served by the {ex.backend} backend")
+        return ex.activate()
+
+    return activate

@@ -1,0 +1,185 @@
+"""LayerNorm and RMSNorm kernels of every backend vs the fp64 reference, forward and backward."""
+
+import math
+
+import pytest
+import torch
+from conftest import executor_params
+
+import normkit
+from normkit.testing import (
+    OPS,
+    Executor,
+    assert_close,
+    check_case,
+    make_inputs,
+    public_results,
+    reference_results,
+)
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+# On devices: the full cross of row lengths that stress tiling and row counts that stress grids.
+DEVICE_SHAPES = [(m, n) for m in (1, 3, 128, 1151) for n in (1, 7, 1023, 1024, 1025, 4096, 40999)]
+# Under the interpreter: one shape per code path (fused single row / many rows per program, tile
+# edges, multi-tile NPU rows, the CUDA looped path at 40999 > FUSED_MAX_N_BWD), kept small for CI.
+INTERPRETER_SHAPES = [(1, 1), (3, 7), (1151, 7), (3, 1023), (1, 1024), (2, 1025), (2, 4096), (2, 40999)]
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("executor,shape", executor_params(
+    [(s,) for s in INTERPRETER_SHAPES], [(s,) for s in DEVICE_SHAPES]))  # fmt: skip
+def test_matches_reference(run_on, executor, shape, dtype, op):
+    with run_on(executor, dtype):
+        check_case(op, shape, 1, dtype, executor.device, seed=hash((shape, op)) % 1000)
+
+
+AFFINE = [(False, False), (True, False), (False, True)]  # (weight, bias); both is the main test
+
+
+@pytest.mark.parametrize("op,affine", [(op, a) for op in OPS for a in AFFINE
+                                       if op == "layer_norm" or not a[1]], ids=str)  # fmt: skip
+@pytest.mark.parametrize("executor,shape,dtype", executor_params(
+    [((3, 1025), torch.bfloat16), ((2, 40999), torch.float32)],
+    [((128, 1025), torch.bfloat16), ((3, 40999), torch.float32), ((1151, 64), torch.float16)]))  # fmt: skip
+def test_weight_bias_optional(run_on, executor, shape, dtype, affine, op):
+    with run_on(executor, dtype):
+        check_case(op, shape, 1, dtype, executor.device, weight=affine[0], bias=affine[1])
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("executor,shape,ndim", executor_params(
+    [((2, 3, 5, 7), 2), ((4, 6, 33), 1), ((2, 3, 2, 4, 8), 3)],
+    [((2, 3, 5, 7), 2), ((4, 6, 33), 1), ((2, 3, 2, 4, 8), 3), ((8, 16, 32, 64), 2)]))  # fmt: skip
+def test_leading_and_multidim_normalized_shape(run_on, executor, shape, ndim, op):
+    with run_on(executor, torch.float32):
+        check_case(op, shape, ndim, torch.float32, executor.device)
+
+
+def _strided_inputs(kind, m, n, dtype, device, op):
+    inputs = make_inputs(op, (m, n), 1, dtype, device, seed=7)
+    x = inputs["x"]
+    if kind == "row-strided":  # rows of a wider tensor: row stride 2n, no copy needed
+        wide = torch.empty(m, 2 * n, dtype=dtype, device=device).copy_(torch.cat([x, x], dim=1))
+        inputs["x"] = wide[:, n:]
+    elif kind == "transposed":  # unit stride along rows: must be made row-contiguous
+        inputs["x"] = x.t().contiguous().t()
+    elif kind == "expanded":  # one row broadcast to m rows: row stride 0
+        inputs["x"] = x[:1].expand(m, n)
+    inputs["dy"] = inputs["dy"].t().contiguous().t()  # a non-contiguous gradient as well
+    return inputs
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("kind", ["row-strided", "transposed", "expanded"])
+@pytest.mark.parametrize("executor,shape", executor_params([((5, 1025),)], [((129, 4097),)]))
+def test_non_contiguous(run_on, executor, shape, kind, op):
+    with run_on(executor, torch.float32):
+        inputs = _strided_inputs(kind, *shape, torch.float32, executor.device, op)
+        assert not inputs["x"].is_contiguous()
+        ref = reference_results(op, eps=1e-5, **inputs)
+        out = public_results(op, eps=1e-5, **inputs)
+        for key, kind_ in (("y", "fwd"), ("dx", "bwd"), ("dweight", "param"), ("dbias", "param")):
+            if ref[key] is not None:
+                assert_close(out[key], ref[key], torch.float32, kind_, key, rows=shape[0])
+
+
+@pytest.mark.parametrize("executor,shape", executor_params(
+    [((3, 1024),), ((2, 40999),)], [((64, 1024),), ((8, 40999),), ((4, 1 << 20),)]))  # fmt: skip
+def test_variance_survives_large_mean(run_on, executor, shape):
+    """x = 1e4 + randn in fp32: rstd must match fp64 (E[x^2] - E[x]^2 would lose it entirely)."""
+    with run_on(executor, torch.float32):
+        inputs = make_inputs("layer_norm", shape, 1, torch.float32, executor.device, mean=1e4)
+        x = inputs["x"]
+        _, _, rstd = normkit.backend_for(x.device).layer_norm_fwd(x, None, None, 1e-5)
+        expected = torch.rsqrt(x.double().var(dim=-1, unbiased=False) + 1e-5)
+        torch.testing.assert_close(rstd.double(), expected, rtol=1e-5, atol=0)
+        out = public_results("layer_norm", eps=1e-5, **inputs)
+        ref = reference_results("layer_norm", eps=1e-5, **inputs)
+        assert_close(out["y"], ref["y"], torch.float32, "fwd", "y")
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("executor,shape", executor_params([((130, 1023),)], [((1151, 4096),)]))
+def test_fp32_weight_with_half_input(run_on, executor, shape, op):
+    """fp32 weights with bf16 activations: output in bf16, dweight in fp32."""
+    with run_on(executor, torch.bfloat16):
+        inputs = make_inputs(op, shape, 1, torch.bfloat16, executor.device)
+        for key in ("weight", "bias"):
+            if inputs[key] is not None:
+                inputs[key] = inputs[key].float()
+        out = public_results(op, eps=1e-5, **inputs)
+        ref = reference_results(op, eps=1e-5, **inputs)
+        assert out["y"].dtype == torch.bfloat16 and out["dweight"].dtype == torch.float32
+        assert_close(out["y"], ref["y"], torch.bfloat16, "fwd", "y")
+        assert_close(out["dx"], ref["dx"], torch.bfloat16, "bwd", "dx")
+        assert_close(out["dweight"], ref["dweight"], torch.bfloat16, "param", "dweight", shape[0])
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("executor,shape", executor_params(
+    [((1151, 7),), ((5, 40999),)], [((4096, 1024),), ((1151, 4097),), ((64, 40999),)]))  # fmt: skip
+def test_weight_grad_is_deterministic(run_on, executor, shape, op):
+    """Two backward passes on the same inputs give bitwise-equal dweight / dbias / dx."""
+    with run_on(executor, torch.bfloat16):
+        inputs = make_inputs(op, shape, 1, torch.bfloat16, executor.device)
+        first = public_results(op, eps=1e-5, **inputs)
+        second = public_results(op, eps=1e-5, **inputs)
+        for key in ("dx", "dweight", "dbias"):
+            if first[key] is not None:
+                assert torch.equal(first[key], second[key]), f"{key} differs between runs"
+
+
+# fp64 is offered by the CUDA backend (and the reference) so gradcheck can run on the kernels.
+FP64 = [e for e in executor_params([((3, 9),), ((2, 40999),)], [((3, 9),), ((5, 40999),)])
+        if e.values[0].backend == "cuda"]  # fmt: skip
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("executor,shape", FP64)
+def test_fp64_kernels(run_on, executor, shape, op):
+    with run_on(executor, torch.float64):
+        check_case(op, shape, 1, torch.float64, executor.device)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("executor,shape", [e for e in executor_params([((3, 9),)], [((4, 33),)])
+                                            if e.values[0].backend == "cuda"])  # fmt: skip
+def test_gradcheck_cuda_kernels(run_on, executor, shape, op):
+    with run_on(executor, torch.float64):
+        inputs = make_inputs(op, shape, 1, torch.float64, executor.device)
+        args = [inputs[k].requires_grad_() for k in ("x", "weight", "bias") if inputs[k] is not None]
+        fn = getattr(normkit, op)
+        assert torch.autograd.gradcheck(lambda *a: fn(a[0], shape[-1:], *a[1:], eps=1e-5), args)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("backend", ["cuda", "npu"])
+def test_one_million_columns(run_on, backend, dtype, op):
+    """N = 2^20 on the GPU, fwd + bwd, both backends' kernels: no row-length limit."""
+    with run_on(Executor(backend, "cuda"), dtype):
+        check_case(op, (3, 1 << 20), 1, dtype, "cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", ["cuda", "npu"])
+def test_more_than_2_31_elements_forward(run_on, backend):
+    """layer_norm forward on 2^31 + 2^18 bf16 elements (4.3 GB): int64 offsets, checked at both ends."""
+    with run_on(Executor(backend, "cuda"), torch.bfloat16):
+        m, n = (1 << 19) + 64, 4096
+        assert m * n > 2**31
+        free, _ = torch.cuda.mem_get_info()
+        if free < 3 * m * n * 2:
+            pytest.skip(f"needs {3 * m * n * 2 / 2**30:.1f} GiB of free GPU memory, has {free / 2**30:.1f}")
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=g)
+        w = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=g)
+        b = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=g)
+        y = normkit.layer_norm(x, (n,), w, b)
+        for rows in (slice(0, 256), slice(m // 2 - 128, m // 2 + 128), slice(m - 256, m)):
+            expected = torch.nn.functional.layer_norm(x[rows].double(), (n,), w.double(), b.double())
+            assert_close(y[rows], expected, torch.bfloat16, "fwd", f"y[{rows.start}:{rows.stop}]")
+        assert math.prod(y.shape) == m * n

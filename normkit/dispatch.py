@@ -37,7 +37,8 @@ def registered() -> dict[str, str]:
 
 def backend_name_for(device: torch.device | str) -> str:
     """Module name of the backend that serves ``device`` (e.g. ``"normkit.backends.cuda"``)."""
-    device_type = torch.device(device).type
+    # A string is split by hand: torch.device("npu") is an error until torch_npu is loaded.
+    device_type = device.split(":")[0] if isinstance(device, str) else torch.device(device).type
     table = registered()
     if device_type not in table:
         raise InvalidArgument(

@@ -1,0 +1,150 @@
+"""`normkit info | check`: what serves each device, and a correctness sweep against fp64.
+
+The sweep (`normkit check`) runs every op x dtype x representative shape, forward and backward,
+through the public API on the best available device and compares with normkit.reference in fp64.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import sys
+import time
+
+OPS = ("layer_norm", "rms_norm")
+DEVICE_SHAPES = [(1, 1), (3, 7), (128, 1023), (1151, 1024), (64, 4096), (3, 40999), (2, 1 << 20)]
+INTERPRETER_SHAPES = [(1, 1), (3, 7), (130, 1023), (2, 4096), (2, 40999)]
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _executors(args):
+    import torch
+
+    from normkit.testing import Executor, npu_status
+
+    if args.interpret:
+        return [Executor("cuda", "cpu"), Executor("npu", "cpu")], INTERPRETER_SHAPES
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "npu" if npu_status()[0] else "cpu"
+    if device == "cpu":
+        return [Executor("reference", "cpu")], DEVICE_SHAPES[:-1]
+    return [Executor(device, device)], DEVICE_SHAPES
+
+
+def cmd_check(args) -> int:
+    if args.interpret:
+        # Must be set before Triton compiles (decorates) any kernel: backends load lazily, later.
+        os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+
+    from normkit.testing import check_case
+
+    executors, shapes = _executors(args)
+    if args.quick:
+        shapes = shapes[:3]
+    rows, failures, start = [], 0, time.perf_counter()
+    for ex in executors:
+        ok, reason = ex.status()
+        if not ok:
+            print(f"normkit check: {ex.name} is unavailable: {reason}", file=sys.stderr)
+            return 1
+        dtypes = [d for d in (torch.float16, torch.bfloat16, torch.float32) if d in ex.dtypes]
+        for op in OPS:
+            for dtype in dtypes:
+                worst, failed = 0.0, []
+                for shape in shapes:
+                    try:
+                        with ex.activate():
+                            errors = check_case(op, shape, 1, dtype, ex.device)
+                        worst = max(worst, *errors.values())
+                    except AssertionError as exc:
+                        failed.append(f"{shape}: {str(exc).splitlines()[0]}")
+                failures += bool(failed)
+                status = "ok" if not failed else "FAIL"
+                passed = f"{len(shapes) - len(failed)}/{len(shapes)}"
+                dt = str(dtype).replace("torch.", "")
+                rows.append((ex.name, op, dt, passed, f"{worst:.2f}", status))
+                print(f"  {ex.name:28s} {op:11s} {dt:9s} {passed:>6s} {status}", file=sys.stderr, flush=True)
+                for line in failed:
+                    print(f"    {line}", file=sys.stderr)
+    print()
+    header = ("executor", "op", "dtype", "shapes", "tolerance used", "status")
+    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+    for row in [header] + rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)))
+    print(f"\n{len(rows) - failures}/{len(rows)} op x dtype groups passed in {time.perf_counter() - start:.1f}s "
+          f"(fwd + bwd vs fp64 reference; shapes {', '.join(f'{m}x{n}' for m, n in shapes)})")
+    if executors[0].backend == "reference":
+        print("No GPU/NPU found: checked the CPU reference. `normkit check --interpret` runs both "
+              "backends' Triton kernels through the Triton interpreter.")
+    return 1 if failures else 0
+
+
+def cmd_info(args) -> int:
+    import torch
+
+    import normkit
+    from normkit import dispatch
+    from normkit.testing import npu_status
+
+    triton_flavour = "triton-ascend" if _version("triton-ascend") else "triton"
+    print(f"normkit     {normkit.__version__}")
+    print(f"python      {sys.version.split()[0]}")
+    print(f"torch       {torch.__version__}")
+    print(f"triton      {_version(triton_flavour) or 'not installed'} ({triton_flavour})")
+    print(f"torch_npu   {_version('torch_npu') or _version('torch-npu') or 'not installed'}")
+    print("devices:")
+    print("  cpu       yes")
+    if torch.cuda.is_available():
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        print(f"  cuda      {len(names)}: {', '.join(names)}")
+    else:
+        print("  cuda      none")
+    ok, reason = npu_status()
+    print(f"  npu       {torch.npu.device_count() if ok else 'none'}{'' if ok else f' ({reason})'}")
+    print("backends:")
+    for device_type, module in sorted(dispatch.registered().items()):
+        print(f"  {device_type:9s} -> {module}")
+    if args.shape:
+        m, n = (int(v) for v in args.shape.split(","))
+        dtype = getattr(torch, args.dtype)
+        from normkit.backends.cuda import config as cuda_config
+        from normkit.backends.npu import config as npu_config
+
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        print(f"launch configs for rows M={m}, N={n}, {args.dtype} (CUDA on {device}):")
+        print(f"  cuda forward   {cuda_config.forward(m, n, dtype, device)}")
+        print(f"  cuda backward  {cuda_config.backward(m, n, dtype, device)}")
+        npu_device = torch.device("npu" if ok else "cpu")
+        print(f"  npu rows       {npu_config.rows(m, npu_device)} (vector cores: {npu_config.vector_cores(npu_device)})")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="normkit", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    info = sub.add_parser("info", help="versions, devices, the backend serving each device type")
+    info.add_argument("--shape", help="M,N: also print the launch configs chosen for these rows")
+    info.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32", "float64"])
+    info.set_defaults(fn=cmd_info)
+    check = sub.add_parser("check", help="fwd+bwd of every op x dtype x shape vs the fp64 reference")
+    check.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "npu"],
+                       help="device to check (auto: cuda, else npu, else the CPU reference)")
+    check.add_argument("--interpret", action="store_true",
+                       help="run both backends' Triton kernels on CPU tensors through the Triton interpreter")
+    check.add_argument("--quick", action="store_true", help="only the first three shapes")
+    check.set_defaults(fn=cmd_check)
+    args = parser.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""Public API: dispatch, argument errors (type + the argument named), empty tensors."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import INTERPRETER
+
+import normkit
+from normkit import dispatch
+
+
+def _call(op, x, shape, weight=None, bias=None, eps=1e-5):
+    if op == "layer_norm":
+        return normkit.layer_norm(x, shape, weight, bias, eps)
+    return normkit.rms_norm(x, shape, weight, eps)
+
+
+OPS = ["layer_norm", "rms_norm"]
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize(
+    "kwargs,error,words",
+    [
+        (dict(shape=(7,)), normkit.InvalidArgument, ["normalized_shape", "[7]", "[4, 8]"]),
+        (dict(shape=(4, 8, 1)), normkit.InvalidArgument, ["normalized_shape", "trailing"]),
+        (dict(shape=()), normkit.InvalidArgument, ["normalized_shape", "at least one"]),
+        (dict(shape="8"), TypeError, ["normalized_shape", "'8'"]),
+        (dict(weight=torch.ones(7)), normkit.InvalidArgument, ["weight", "[7]", "[8]"]),
+        (dict(weight=torch.ones(8, dtype=torch.int32)), normkit.InvalidDtype, ["weight", "int32"]),
+        (dict(weight=[1.0] * 8), TypeError, ["weight", "list"]),
+        (dict(eps=-1e-5), normkit.InvalidArgument, ["eps", "-1e-05", ">= 0"]),
+        (dict(eps=float("nan")), normkit.InvalidArgument, ["eps", "nan"]),
+        (dict(eps="1e-5"), TypeError, ["eps", "'1e-5'"]),
+    ],
+    ids=["shape-mismatch", "shape-too-long", "shape-empty", "shape-type", "weight-shape",
+         "weight-dtype", "weight-type", "eps-negative", "eps-nan", "eps-type"],  # fmt: skip
+)
+def test_argument_errors_name_the_argument(op, kwargs, error, words):
+    x = torch.randn(4, 8)
+    args = dict(shape=(8,), weight=None, bias=None, eps=1e-5) | kwargs
+    with pytest.raises(error) as info:
+        _call(op, x, **args)
+    for word in words:
+        assert word in str(info.value), f"{word!r} not in {info.value}"
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool, torch.complex64], ids=str)
+def test_non_float_input_is_rejected(op, dtype):
+    x = torch.ones(4, 8, dtype=dtype)
+    with pytest.raises(normkit.InvalidDtype) as info:
+        _call(op, x, (8,))
+    assert "input" in str(info.value) and str(dtype) in str(info.value)
+    assert "float32" in str(info.value)  # says what is accepted
+
+
+def test_bias_wrong_shape_names_bias():
+    with pytest.raises(normkit.InvalidArgument, match="bias has shape \\[3\\]"):
+        normkit.layer_norm(torch.randn(2, 8), (8,), torch.ones(8), torch.ones(3))
+
+
+def test_errors_are_also_runtime_errors():
+    """Code written against torch (which raises RuntimeError) keeps catching our errors."""
+    with pytest.raises(RuntimeError):
+        normkit.layer_norm(torch.randn(2, 8), (7,))
+    with pytest.raises(RuntimeError):
+        normkit.layer_norm(torch.ones(2, 8, dtype=torch.long), (8,))
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_mixed_devices_name_the_tensor(op):
+    x = torch.randn(4, 8)
+    weight = torch.ones(8, device="meta")
+    with pytest.raises(normkit.InvalidArgument) as info:
+        _call(op, x, (8,), weight)
+    message = str(info.value)
+    assert "weight" in message and "meta" in message and "cpu" in message
+
+
+def test_unregistered_device_lists_supported():
+    x = torch.randn(4, 8, device="meta")
+    with pytest.raises(normkit.InvalidArgument) as info:
+        normkit.layer_norm(x, (8,))
+    message = str(info.value)
+    assert "input" in message and "'meta'" in message
+    for device_type in ("cpu", "cuda", "npu"):
+        assert device_type in message
+
+
+def test_npu_backend_refuses_fp64_by_name():
+    with dispatch.use_backend("cpu", "normkit.backends.npu"):
+        with pytest.raises(normkit.InvalidDtype) as info:
+            normkit.rms_norm(torch.randn(2, 8, dtype=torch.float64), (8,))
+    assert "float64" in str(info.value) and "npu backend" in str(info.value)
+
+
+def test_backend_for_and_overrides():
+    assert normkit.backend_for("cpu").NAME == "reference"
+    with dispatch.use_backend("cpu", "normkit.backends.npu"):
+        assert normkit.backend_name_for("cpu") == "normkit.backends.npu"
+        assert dispatch.registered()["cpu"] == "normkit.backends.npu"
+    assert normkit.backend_name_for("cpu") == "normkit.reference"
+    with pytest.raises(normkit.InvalidArgument, match="'xla'"):
+        normkit.backend_name_for("xla:0")
+
+
+@pytest.mark.parametrize("executor", [None] + INTERPRETER, ids=lambda e: e.name if e else "reference")
+@pytest.mark.parametrize("shape", [(0, 8), (2, 0, 8), (3, 0)], ids=str)
+def test_empty_inputs_like_torch(executor, shape, run_on):
+    """M = 0 (or N = 0): empty outputs, zero dweight/dbias, as torch gives; no kernel launched."""
+    context = run_on(executor) if executor else dispatch.use_backend("cpu", "normkit.reference")
+    n = shape[-1]
+    with context:
+        results = []
+        for fn in (F.layer_norm, normkit.layer_norm):
+            x = torch.randn(shape, requires_grad=True)
+            w = torch.randn(n, requires_grad=True)
+            b = torch.randn(n, requires_grad=True)
+            y = fn(x, (n,), w, b, 1e-5)
+            y.sum().backward()
+            results.append((y, x.grad, w.grad, b.grad))
+    for expected, got in zip(*results):
+        assert got.shape == expected.shape
+        torch.testing.assert_close(got, expected)

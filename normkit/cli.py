@@ -1,4 +1,4 @@
-"""`normkit info | check`: what serves each device, and a correctness sweep against fp64.
+"""`normkit info | check | bench`: what serves each device, a correctness sweep, timings.
 
 The sweep (`normkit check`) runs every op x dtype x representative shape, forward and backward,
 through the public API on the best available device and compares with normkit.reference in fp64.
@@ -128,6 +128,20 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    import torch
+
+    from normkit import bench
+
+    if not torch.cuda.is_available():
+        print("normkit bench: needs a CUDA GPU (none available)", file=sys.stderr)
+        return 1
+    ns = [int(v) for v in args.n.split(",")] if args.n else ([4096] if args.quick else bench.DEFAULT_NS)
+    copy, rows = bench.run(args.ops.split(","), ns, getattr(torch, args.dtype))
+    print(bench.format_table(copy, rows))
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="normkit", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -142,6 +156,12 @@ def main(argv=None) -> int:
                        help="run both backends' Triton kernels on CPU tensors through the Triton interpreter")
     check.add_argument("--quick", action="store_true", help="only the first three shapes")
     check.set_defaults(fn=cmd_check)
+    bench = sub.add_parser("bench", help="GB/s and fraction of copy: normkit vs torch vs torch.compile (CUDA)")
+    bench.add_argument("--ops", default=",".join(OPS), help="comma-separated ops (default: all)")
+    bench.add_argument("--n", help="comma-separated row lengths N (M = 2^27 / N)")
+    bench.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"])
+    bench.add_argument("--quick", action="store_true", help="N = 4096 only")
+    bench.set_defaults(fn=cmd_bench)
     args = parser.parse_args(argv)
     return args.fn(args)
 

@@ -16,11 +16,15 @@ import triton.language as tl
 
 # A row whose next power of two is at most this many elements is held in registers by one program
 # (one read of x). Longer rows loop over column tiles and read x twice (stats, then normalize).
-# Measured on H100, bf16, M*N = 2^27 (docs/perf-notes.md, v1): the register-resident forward at
-# N = 16384 runs near copy speed and at 32768 still beats the two-read loop (~0.67 of copy at best).
+# Measured on H100, M*N = 2^27, fraction of copy, fused vs looped (ci/measure-fused-threshold.py,
+# docs/perf-notes.md v1): forward bf16 LayerNorm 0.91 vs 0.66 at N = 32768 but 0.40 vs 0.63 at
+# 65536 (register spills); fp32 0.96 vs 0.66 at 32768.
 FUSED_MAX_N_FWD = 32768
-# The backward keeps x, dy, w and two fp32 accumulators live per element: half the forward's span.
-FUSED_MAX_N_BWD = 16384
+# The backward keeps x, dy, w, xhat and two accumulators live per element, so spills start sooner,
+# and sooner for LayerNorm (one more reduction) than RMSNorm. Same run: LayerNorm bf16 fused vs
+# looped 0.59 vs 0.51 at 8192, 0.40 vs 0.52 at 16384; RMSNorm 0.65 vs 0.53 at 16384, 0.15 vs 0.53
+# at 32768 (fp32 alike: LayerNorm 0.38 vs 0.59, RMSNorm 0.70 vs 0.59 at 16384).
+FUSED_MAX_N_BWD = {False: 8192, True: 16384}  # keyed by is_rms
 # fp64 rows take twice the registers.
 FP64_DIVISOR = 2
 
@@ -103,7 +107,7 @@ def row_sweep(M: int, N: int, dtype: torch.dtype) -> LaunchConfig:
     return LaunchConfig(LOOP_BLOCK_FWD, _warps(LOOP_BLOCK_FWD, dtype), 1, (M,), False)
 
 
-def backward(M: int, N: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig:
+def backward(M: int, N: int, dtype: torch.dtype, device: torch.device, is_rms: bool) -> LaunchConfig:
     """Row-norm backward.
 
     Fused: a persistent grid of ``PROGRAMS_PER_SM * SMs`` programs walks row tiles, keeping its
@@ -113,7 +117,7 @@ def backward(M: int, N: int, dtype: torch.dtype, device: torch.device) -> Launch
     """
     programs = PROGRAMS_PER_SM * sm_count(device)
     block = triton.next_power_of_2(N)
-    if block <= _fused_max(FUSED_MAX_N_BWD, dtype):
+    if block <= _fused_max(FUSED_MAX_N_BWD[is_rms], dtype):
         rows = max(1, min(MAX_ROWS_PER_PROGRAM, TILE_ELEMENTS_BWD // block, triton.next_power_of_2(M)))
         grid = min(programs, triton.cdiv(M, rows))
         return LaunchConfig(block, _warps(rows * block, dtype), rows, (grid,), True)

@@ -25,6 +25,16 @@ from normkit.backends.cuda.reduce import sum_partials
 
 
 @triton.jit
+def _reciprocal(n, ACC: tl.constexpr):
+    """1 / n correctly rounded. Triton's fp32 `/` is approximate (div.full.f32): sum / 1 could be
+    off by an ulp, which rstd = 1 / sqrt(eps) then amplifies (N = 1 gives dx != 0)."""
+    if ACC == tl.float64:
+        return 1.0 / tl.cast(n, tl.float64)
+    else:
+        return tl.math.div_rn(1.0, tl.cast(n, tl.float32))
+
+
+@triton.jit
 def _fwd_fused_kernel(
     X,  # (M, N) input rows; row stride stride_x, unit column stride
     Y,  # (M, N) output rows; row stride stride_y
@@ -58,11 +68,11 @@ def _fwd_fused_kernel(
         # rows whose mean dwarfs their spread (x = 1e4 + randn).
         shift = tl.load(X + rows64 * stride_x, mask=row_mask, other=0.0).to(ACC)[:, None]
         xs = tl.where(mask, x - shift, 0.0)
-        mean_s = tl.sum(xs, axis=1)[:, None] / N
+        mean_s = tl.sum(xs, axis=1)[:, None] * _reciprocal(N, ACC)
         tl.store(Mean + rows[:, None], shift + mean_s, mask=row_mask[:, None])
         xc = tl.where(mask, xs - mean_s, 0.0)
     # Two-pass variance over registers: no E[x^2] - E[x]^2 cancellation for large means.
-    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
+    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) * _reciprocal(N, ACC) + eps)
     tl.store(Rstd + rows, rstd, mask=row_mask)
     y = xc * rstd[:, None]
     if HAS_W:
@@ -112,7 +122,7 @@ def _fwd_looped_kernel(
             count = tl.cast(tl.minimum(N - start, BLOCK_N), ACC)
             xs = tl.where(mask, x - shift, 0.0)
             mean, m2 = chan_merge(mean, m2, xs, mask, tl.cast(start, ACC), count)
-    rstd = 1.0 / tl.sqrt(m2 / N + eps)
+    rstd = 1.0 / tl.sqrt(m2 * _reciprocal(N, ACC) + eps)
     tl.store(Rstd + row, rstd)
     if not IS_RMS:
         tl.store(Mean + row, shift + mean)
@@ -158,6 +168,7 @@ def _bwd_fused_kernel(
         w = tl.load(W + cols, mask=col_mask, other=0.0).to(ACC)
     dw = tl.zeros([BLOCK_N], ACC)
     db = tl.zeros([BLOCK_N], ACC)
+    inv_n = _reciprocal(N, ACC)
     # Persistent: program pid takes row tiles pid, pid + G, pid + 2G, ... (a fixed assignment, so
     # the partial sums, and hence dweight/dbias, are the same on every run).
     for tile in range(pid, tl.cdiv(M, ROWS), tl.num_programs(0)):
@@ -177,11 +188,11 @@ def _bwd_fused_kernel(
             wdy = dy * w[None, :]
         else:
             wdy = dy
-        c1 = tl.sum(xhat * wdy, axis=1)[:, None] / N
+        c1 = tl.sum(xhat * wdy, axis=1)[:, None] * inv_n
         if IS_RMS:
             dx = (wdy - xhat * c1) * rstd
         else:
-            c2 = tl.sum(wdy, axis=1)[:, None] / N
+            c2 = tl.sum(wdy, axis=1)[:, None] * inv_n
             dx = (wdy - (xhat * c1 + c2)) * rstd
         tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         if HAS_W:
@@ -231,9 +242,10 @@ def _bwd_row_terms_kernel(
             wdy = wdy * tl.load(W + offs, mask=mask, other=0.0).to(ACC)
         c1 += tl.sum(normalize(x, mean, rstd, mask, IS_RMS) * wdy, axis=0)
         c2 += tl.sum(wdy, axis=0)
-    tl.store(C1 + row, c1 / N)
+    inv_n = _reciprocal(N, ACC)
+    tl.store(C1 + row, c1 * inv_n)
     if not IS_RMS:
-        tl.store(C2 + row, c2 / N)
+        tl.store(C2 + row, c2 * inv_n)
 
 
 @triton.jit
@@ -328,7 +340,7 @@ def _forward(x, weight, bias, eps, is_rms):
 
 def _backward(dy, x, weight, mean, rstd, bias_dtype, is_rms):
     M, N = x.shape
-    cfg = config.backward(M, N, x.dtype, x.device)
+    cfg = config.backward(M, N, x.dtype, x.device, is_rms)
     acc = config.acc_dtype(x.dtype)
     dx = torch.empty((M, N), dtype=x.dtype, device=x.device)
     has_w, has_db = weight is not None, bias_dtype is not None

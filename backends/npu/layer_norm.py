@@ -32,6 +32,7 @@ def _fwd_kernel(
     stride_y,
     M,
     N,
+    inv_n,  # 1 / N from the host: exact where N is a power of two (N = 1 must give dx = 0)
     eps,
     BLOCK_SIZE: tl.constexpr,  # column tile (1024)
     IS_RMS: tl.constexpr,
@@ -61,7 +62,7 @@ def _fwd_kernel(
                 count = tl.cast(tl.minimum(N - start, BLOCK_SIZE), tl.float32)
                 xs = tl.where(mask, x - shift, 0.0)
                 mean, m2 = chan_merge(mean, m2, xs, mask, tl.cast(start, tl.float32), count)
-        rstd = 1.0 / tl.sqrt(m2 / N + eps)
+        rstd = 1.0 / tl.sqrt(m2 * inv_n + eps)
         tl.store(Rstd + row, rstd)
         if not IS_RMS:
             tl.store(Mean + row, shift + mean)
@@ -90,6 +91,7 @@ def _bwd_row_terms_kernel(
     stride_dy,
     M,
     N,
+    inv_n,  # 1 / N from the host
     BLOCK_SIZE: tl.constexpr,
     IS_RMS: tl.constexpr,
     HAS_W: tl.constexpr,
@@ -115,9 +117,9 @@ def _bwd_row_terms_kernel(
                 wdy = wdy * tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
             c1 += tl.sum(normalize(x, mean, rstd, mask, IS_RMS) * wdy, axis=0)
             c2 += tl.sum(wdy, axis=0)
-        tl.store(C1 + row, c1 / N)
+        tl.store(C1 + row, c1 * inv_n)
         if not IS_RMS:
-            tl.store(C2 + row, c2 / N)
+            tl.store(C2 + row, c2 * inv_n)
 
 
 @triton.jit
@@ -219,7 +221,7 @@ def _forward(x, weight, bias, eps, is_rms):
     mean = rstd if is_rms else torch.empty_like(rstd)
     _fwd_kernel[cfg.grid](
         x, y, weight if weight is not None else x, bias if bias is not None else x, mean, rstd,
-        x.stride(0), y.stride(0), M, N, eps,
+        x.stride(0), y.stride(0), M, N, 1.0 / N, eps,
         BLOCK_SIZE=cfg.block_size, IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=bias is not None,
     )  # fmt: skip
     return y, mean, rstd
@@ -233,7 +235,7 @@ def _backward(dy, x, weight, mean, rstd, bias_dtype, is_rms):
     c2 = c1 if is_rms else torch.empty_like(c1)
     sweep = config.rows(M, x.device)
     _bwd_row_terms_kernel[sweep.grid](
-        x, dy, w, mean, rstd, c1, c2, x.stride(0), dy.stride(0), M, N,
+        x, dy, w, mean, rstd, c1, c2, x.stride(0), dy.stride(0), M, N, 1.0 / N,
         BLOCK_SIZE=sweep.block_size, IS_RMS=is_rms, HAS_W=has_w,
     )  # fmt: skip
     cfg, chunks = config.row_chunks(M, N, x.device)

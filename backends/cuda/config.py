@@ -41,6 +41,8 @@ LOOP_BLOCK_BWD = 2048
 # Persistent backward grid: programs per SM. Each program owns one fp32 row of dweight/dbias
 # partials, summed afterwards in a fixed order (deterministic, no atomics).
 PROGRAMS_PER_SM = 2
+# Elements of one tensor per thread in the fused backward (sets num_warps from the tile size).
+BWD_ELEMENTS_PER_THREAD = 32
 
 # Column tile of the partial-sum reduction.
 REDUCE_BLOCK = 1024
@@ -120,7 +122,8 @@ def backward(M: int, N: int, dtype: torch.dtype, device: torch.device, is_rms: b
     if block <= _fused_max(FUSED_MAX_N_BWD[is_rms], dtype):
         rows = max(1, min(MAX_ROWS_PER_PROGRAM, TILE_ELEMENTS_BWD // block, triton.next_power_of_2(M)))
         grid = min(programs, triton.cdiv(M, rows))
-        return LaunchConfig(block, _warps(rows * block, dtype), rows, (grid,), True)
+        warps = max(4, min(32, triton.next_power_of_2(max(1, rows * block // (32 * BWD_ELEMENTS_PER_THREAD)))))
+        return LaunchConfig(block, warps, rows, (grid,), True)
     col_tiles = triton.cdiv(N, LOOP_BLOCK_BWD)
     chunks = max(1, min(M, triton.cdiv(programs, col_tiles)))
     rows = triton.cdiv(M, chunks)

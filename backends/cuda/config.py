@@ -44,8 +44,12 @@ PROGRAMS_PER_SM = 2
 # Elements of one tensor per thread in the fused backward (sets num_warps from the tile size).
 BWD_ELEMENTS_PER_THREAD = 32
 
-# Column tile of the partial-sum reduction.
-REDUCE_BLOCK = 1024
+# Partial-sum reduction tiles. A first version had one program per 1024 columns walking the G
+# partial rows one load at a time: at N = 256 that single program's G dependent loads cost as
+# much as the whole backward (bf16 LayerNorm backward 0.20 of copy; docs/perf-notes.md v2).
+REDUCE_ROWS = 64
+REDUCE_MIN_BLOCK = 16
+REDUCE_MAX_BLOCK = 256
 
 # Under the Triton interpreter (CPU tensors) there are no SMs: a small persistent grid keeps the
 # interpreted run short while still exercising the multi-program partial reduction.
@@ -131,6 +135,8 @@ def backward(M: int, N: int, dtype: torch.dtype, device: torch.device, is_rms: b
     return LaunchConfig(LOOP_BLOCK_BWD, _warps(LOOP_BLOCK_BWD, dtype), rows, (chunks, col_tiles), False)
 
 
-def reduce(N: int) -> LaunchConfig:
-    """Fixed-order column sum of (G, N) partials."""
-    return LaunchConfig(REDUCE_BLOCK, 4, 1, (triton.cdiv(N, REDUCE_BLOCK),), False)
+def reduce(G: int, N: int, device: torch.device) -> LaunchConfig:
+    """Fixed-order column sum of (G, N) partials: [REDUCE_ROWS, block] tiles, columns spread so
+    that about one program runs per SM even for short rows."""
+    block = max(REDUCE_MIN_BLOCK, min(REDUCE_MAX_BLOCK, triton.next_power_of_2(triton.cdiv(N, sm_count(device)))))
+    return LaunchConfig(block, 4, REDUCE_ROWS, (triton.cdiv(N, block),), False)

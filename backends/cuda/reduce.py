@@ -19,20 +19,27 @@ def _sum_partials_kernel(
     Out,  # (N,) result, in the parameter's dtype
     G,  # number of partial rows
     N,  # columns
-    BLOCK: tl.constexpr,  # columns per program
+    BLOCK_G: tl.constexpr,  # partial rows loaded per step (summed by a fixed-shape tree)
+    BLOCK_N: tl.constexpr,  # columns per program
 ):
-    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < N
-    acc = tl.zeros([BLOCK], P.dtype.element_ty)
-    for g in range(0, G):
-        acc += tl.load(P + tl.cast(g, tl.int64) * N + cols, mask=mask, other=0.0)
-    tl.store(Out + cols, acc.to(Out.dtype.element_ty), mask=mask)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    acc = tl.zeros([BLOCK_N], P.dtype.element_ty)
+    for g0 in range(0, G, BLOCK_G):
+        g = g0 + tl.arange(0, BLOCK_G)
+        mask = (g < G)[:, None] & col_mask[None, :]
+        tile = tl.load(P + g.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0.0)
+        acc += tl.sum(tile, axis=0)
+    tl.store(Out + cols, acc.to(Out.dtype.element_ty), mask=col_mask)
 
 
 def sum_partials(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(G, N) partials -> (N,) column sums in ``dtype``, added in row order."""
+    """(G, N) partials -> (N,) column sums in ``dtype``, in a fixed order (bitwise reproducible)."""
     G, N = partials.shape
     out = torch.empty(N, dtype=dtype, device=partials.device)
-    cfg = config.reduce(N)
-    _sum_partials_kernel[cfg.grid](partials, out, G, N, BLOCK=cfg.block_size, num_warps=cfg.num_warps)
+    cfg = config.reduce(G, N, partials.device)
+    _sum_partials_kernel[cfg.grid](
+        partials, out, G, N, BLOCK_G=cfg.rows_per_program, BLOCK_N=cfg.block_size,
+        num_warps=cfg.num_warps,
+    )  # fmt: skip
     return out

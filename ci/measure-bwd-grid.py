@@ -1,6 +1,7 @@
-"""Sweep the fused backward's persistent grid (programs per SM), warps and tile size (H100).
+"""Sweep the fused backward's persistent grid (programs per SM), warps and tile size.
 
-python3 ci/measure-bwd-grid.py  ->  fraction of copy per setting, plus repeated forward points.
+Chose backends/cuda/config.py's FUSED_BWD table. Run on a GPU: python3 ci/measure-bwd-grid.py
+(prints the four best and two worst settings per op and N, as fractions of a device copy).
 """
 
 import itertools
@@ -17,10 +18,10 @@ for op, n in itertools.product(("layer_norm", "rms_norm"), (256, 1024, 4096, 819
     m = (1 << 27) // n
     best = []
     for pps, ept, tile in itertools.product((1, 2, 4), (16, 32), (2048, 8192)):
-        config.PROGRAMS_PER_SM, config.BWD_ELEMENTS_PER_THREAD, config.TILE_ELEMENTS_BWD = pps, ept, tile
+        entry = config._FusedBwd(1 << 30, pps, ept, tile)
+        config.FUSED_BWD = {False: (entry,), True: (entry,)}
         _, bwd = bench.measure("normkit", op, m, n, torch.bfloat16, "cuda")
         best.append((3 * m * n * elt / bwd / 1e6 / copy, pps, ept, tile))
     best.sort(reverse=True)
     print(op, n, " ".join(f"{f:.2f}(pps={p},ept={e},tile={t})" for f, p, e, t in best[:4]),
           "| worst", " ".join(f"{f:.2f}(pps={p},ept={e},tile={t})" for f, p, e, t in best[-2:]), flush=True)
-config.PROGRAMS_PER_SM, config.BWD_ELEMENTS_PER_THREAD, config.TILE_ELEMENTS_BWD = 2, 32, 2048

@@ -28,21 +28,45 @@ FUSED_MAX_N_BWD = {False: 8192, True: 16384}  # keyed by is_rms
 # fp64 rows take twice the registers.
 FP64_DIVISOR = 2
 
-# Elements per program tile when rows are short: small-N rows are packed ROWS to a program so that
-# each program still moves a few KB (one row of N = 64 alone would leave the SM idle).
+# Forward: elements per program tile when rows are short. Small-N rows are packed ROWS to a
+# program so that each program still moves a few KB (one row of N = 64 alone would idle the SM).
 TILE_ELEMENTS_FWD = 4096
-TILE_ELEMENTS_BWD = 2048
 MAX_ROWS_PER_PROGRAM = 256
+
+
+@dataclass(frozen=True)
+class _FusedBwd:
+    max_n: int  # rows up to this length use this entry
+    programs_per_sm: int  # persistent grid; each program owns one fp32 dweight/dbias partial row
+    elements_per_thread: int  # per tensor: sets num_warps from the tile size
+    tile_elements: int  # rows per tile = tile_elements // BLOCK_N
+
+
+# Fused backward launch table, from ci/measure-bwd-grid.py on H100, bf16, M*N = 2^27 (fraction of
+# copy of the best setting; docs/perf-notes.md v3). LayerNorm: 0.39 at N = 256, 0.71 at 1024,
+# 0.79 at 4096, 0.81 at 8192. RMSNorm: 0.63, 0.83, 0.89, 0.86. The worst settings at the same N
+# were 0.16-0.54, so the table matters; N = 16384 (RMSNorm only) follows the 8192 entry.
+FUSED_BWD = {
+    False: (  # LayerNorm
+        _FusedBwd(512, 2, 32, 8192),
+        _FusedBwd(2048, 4, 32, 2048),
+        _FusedBwd(4096, 2, 16, 8192),
+        _FusedBwd(8192, 2, 16, 2048),
+    ),
+    True: (  # RMSNorm
+        _FusedBwd(512, 2, 32, 8192),
+        _FusedBwd(2048, 4, 32, 2048),
+        _FusedBwd(4096, 2, 32, 2048),
+        _FusedBwd(16384, 1, 16, 2048),
+    ),
+}
 
 # Column tile of the looped (long-row) kernels.
 LOOP_BLOCK_FWD = 8192
 LOOP_BLOCK_BWD = 2048
 
-# Persistent backward grid: programs per SM. Each program owns one fp32 row of dweight/dbias
-# partials, summed afterwards in a fixed order (deterministic, no atomics).
-PROGRAMS_PER_SM = 2
-# Elements of one tensor per thread in the fused backward (sets num_warps from the tile size).
-BWD_ELEMENTS_PER_THREAD = 32
+# Looped backward: about this many programs per SM over (row chunk x column tile) work items.
+LOOPED_PROGRAMS_PER_SM = 2
 
 # Partial-sum reduction tiles. A first version had one program per 1024 columns walking the G
 # partial rows one load at a time: at N = 256 that single program's G dependent loads cost as
@@ -116,18 +140,20 @@ def row_sweep(M: int, N: int, dtype: torch.dtype) -> LaunchConfig:
 def backward(M: int, N: int, dtype: torch.dtype, device: torch.device, is_rms: bool) -> LaunchConfig:
     """Row-norm backward.
 
-    Fused: a persistent grid of ``PROGRAMS_PER_SM * SMs`` programs walks row tiles, keeping its
+    Fused: a persistent grid (``FUSED_BWD`` table) walks row tiles, each program keeping its
     dweight/dbias partial in registers; grid[0] is the number of partial rows.
     Looped: grid (row chunks, column tiles); each program sweeps a chunk of rows for one column
     tile; grid[0] row chunks is the number of partial rows.
     """
-    programs = PROGRAMS_PER_SM * sm_count(device)
     block = triton.next_power_of_2(N)
     if block <= _fused_max(FUSED_MAX_N_BWD[is_rms], dtype):
-        rows = max(1, min(MAX_ROWS_PER_PROGRAM, TILE_ELEMENTS_BWD // block, triton.next_power_of_2(M)))
-        grid = min(programs, triton.cdiv(M, rows))
-        warps = max(4, min(32, triton.next_power_of_2(max(1, rows * block // (32 * BWD_ELEMENTS_PER_THREAD)))))
+        entry = next(e for e in FUSED_BWD[is_rms] if block <= e.max_n)
+        rows = max(1, min(MAX_ROWS_PER_PROGRAM, entry.tile_elements // block, triton.next_power_of_2(M)))
+        grid = min(entry.programs_per_sm * sm_count(device), triton.cdiv(M, rows))
+        per_warp = 32 * entry.elements_per_thread
+        warps = max(4, min(32, triton.next_power_of_2(max(1, rows * block // per_warp))))
         return LaunchConfig(block, warps, rows, (grid,), True)
+    programs = LOOPED_PROGRAMS_PER_SM * sm_count(device)
     col_tiles = triton.cdiv(N, LOOP_BLOCK_BWD)
     chunks = max(1, min(M, triton.cdiv(programs, col_tiles)))
     rows = triton.cdiv(M, chunks)

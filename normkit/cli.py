@@ -125,7 +125,8 @@ def cmd_info(args) -> int:
         print(f"  cuda backward  {cuda_config.backward(m, n, dtype, device, is_rms=False)} (layer_norm)")
         print(f"  cuda backward  {cuda_config.backward(m, n, dtype, device, is_rms=True)} (rms_norm)")
         npu_device = torch.device("npu" if ok else "cpu")
-        print(f"  npu rows       {npu_config.rows(m, npu_device)} (vector cores: {npu_config.vector_cores(npu_device)})")
+        where = "npu" if ok else "cpu tensors, interpreter"
+        print(f"  npu rows       {npu_config.rows(m, npu_device)} ({where}: {npu_config.vector_cores(npu_device)} programs)")
     return 0
 
 

@@ -80,7 +80,8 @@ def cmd_check(args) -> int:
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     for row in [header] + rows:
         print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)))
-    print(f"\n{len(rows) - failures}/{len(rows)} op x dtype groups passed in {time.perf_counter() - start:.1f}s "
+    elapsed = time.perf_counter() - start
+    print(f"\n{len(rows) - failures}/{len(rows)} op x dtype groups passed in {elapsed:.1f}s "
           f"(fwd + bwd vs fp64 reference; shapes {', '.join(f'{m}x{n}' for m, n in shapes)})")
     if executors[0].backend == "reference":
         print("No GPU/NPU found: checked the CPU reference. `normkit check --interpret` runs both "
@@ -126,7 +127,8 @@ def cmd_info(args) -> int:
         print(f"  cuda backward  {cuda_config.backward(m, n, dtype, device, is_rms=True)} (rms_norm)")
         npu_device = torch.device("npu" if ok else "cpu")
         where = "npu" if ok else "cpu tensors, interpreter"
-        print(f"  npu rows       {npu_config.rows(m, npu_device)} ({where}: {npu_config.vector_cores(npu_device)} programs)")
+        programs = npu_config.vector_cores(npu_device)
+        print(f"  npu rows       {npu_config.rows(m, npu_device)} ({where}: {programs} programs)")
     return 0
 
 
@@ -158,7 +160,9 @@ def main(argv=None) -> int:
                        help="run both backends' Triton kernels on CPU tensors through the Triton interpreter")
     check.add_argument("--quick", action="store_true", help="only the first three shapes")
     check.set_defaults(fn=cmd_check)
-    bench = sub.add_parser("bench", help="GB/s and fraction of copy: normkit vs torch vs torch.compile (CUDA)")
+    bench = sub.add_parser(
+        "bench", help="GB/s and fraction of copy: normkit vs torch vs torch.compile (CUDA)"
+    )
     bench.add_argument("--ops", default=",".join(OPS), help="comma-separated ops (default: all)")
     bench.add_argument("--n", help="comma-separated row lengths N (M = 2^27 / N)")
     bench.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"])

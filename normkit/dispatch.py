@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import importlib
-from types import ModuleType
+from types import MappingProxyType, ModuleType
 from typing import Iterator, Mapping
 
 import torch
@@ -26,7 +26,7 @@ _REGISTRY: Mapping[str, str] = {
 # Per-context overrides, used by the test suite and `normkit check --interpret` to run a Triton
 # backend's kernels on CPU tensors (interpreter) or the NPU kernels on a CUDA GPU.
 _OVERRIDES: contextvars.ContextVar[Mapping[str, str]] = contextvars.ContextVar(
-    "normkit_backend_overrides", default={}
+    "normkit_backend_overrides", default=MappingProxyType({})
 )
 
 

@@ -103,7 +103,9 @@ class Executor:
 
     @property
     def module(self) -> str:
-        return "normkit.reference" if self.backend == "reference" else f"normkit.backends.{self.backend}"
+        if self.backend == "reference":
+            return "normkit.reference"
+        return f"normkit.backends.{self.backend}"
 
     @property
     def name(self) -> str:
@@ -111,7 +113,9 @@ class Executor:
             return "reference"
         if self.device == "cpu":
             return f"{self.backend}-kernels-interpreter"
-        return self.backend if self.backend == self.device else f"{self.backend}-kernels-on-{self.device}"
+        if self.backend == self.device:
+            return self.backend
+        return f"{self.backend}-kernels-on-{self.device}"
 
     def status(self) -> tuple[bool, str]:
         """(available, reason when not)."""
@@ -119,7 +123,10 @@ class Executor:
             return True, ""
         if self.device == "cpu":
             if not interpreting():
-                return False, "Triton kernels on CPU tensors need TRITON_INTERPRET=1 (set by tests/conftest.py on machines without GPU/NPU)"
+                return False, (
+                    "Triton kernels on CPU tensors need TRITON_INTERPRET=1 "
+                    "(set by tests/conftest.py on machines without GPU/NPU)"
+                )
             return True, ""
         if self.device == "cuda":
             ok, reason = torch.cuda.is_available(), "no CUDA GPU available"
@@ -181,7 +188,9 @@ def reference_results(op, x, weight, bias, dy, normalized_shape, eps):
         dx, dw = reference.rms_norm_bwd(dy2, x2, w, rstd)
         db = None
     shape = lambda t, like: None if t is None else t.reshape(like.shape)  # noqa: E731
-    return dict(y=y.reshape(x.shape), dx=dx.reshape(x.shape), dweight=shape(dw, weight), dbias=shape(db, bias))
+    return dict(
+        y=y.reshape(x.shape), dx=dx.reshape(x.shape), dweight=shape(dw, weight), dbias=shape(db, bias)
+    )
 
 
 def public_results(op, x, weight, bias, dy, normalized_shape, eps):

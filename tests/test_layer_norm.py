@@ -1,6 +1,7 @@
 """LayerNorm and RMSNorm kernels of every backend vs the fp64 reference, forward and backward."""
 
 import math
+import zlib
 
 import pytest
 import torch
@@ -32,7 +33,7 @@ INTERPRETER_SHAPES = [(1, 1), (3, 7), (1151, 7), (3, 1023), (1, 1024), (2, 1025)
     [(s,) for s in INTERPRETER_SHAPES], [(s,) for s in DEVICE_SHAPES]))  # fmt: skip
 def test_matches_reference(run_on, executor, shape, dtype, op):
     with run_on(executor, dtype):
-        check_case(op, shape, 1, dtype, executor.device, seed=hash((shape, op)) % 1000)
+        check_case(op, shape, 1, dtype, executor.device, seed=zlib.crc32(f"{shape}{op}".encode()))
 
 
 AFFINE = [(False, False), (True, False), (False, True)]  # (weight, bias); both is the main test

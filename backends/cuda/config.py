@@ -164,5 +164,6 @@ def backward(M: int, N: int, dtype: torch.dtype, device: torch.device, is_rms: b
 def reduce(G: int, N: int, device: torch.device) -> LaunchConfig:
     """Fixed-order column sum of (G, N) partials: [REDUCE_ROWS, block] tiles, columns spread so
     that about one program runs per SM even for short rows."""
-    block = max(REDUCE_MIN_BLOCK, min(REDUCE_MAX_BLOCK, triton.next_power_of_2(triton.cdiv(N, sm_count(device)))))
+    per_sm = triton.next_power_of_2(triton.cdiv(N, sm_count(device)))
+    block = max(REDUCE_MIN_BLOCK, min(REDUCE_MAX_BLOCK, per_sm))
     return LaunchConfig(block, 4, REDUCE_ROWS, (triton.cdiv(N, block),), False)

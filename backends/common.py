@@ -31,3 +31,17 @@ def chan_merge(mean, m2, x, mask, seen, count):
     mean = mean + delta * (count / total)
     m2 = m2 + tl.sum(d * d, axis=0) + delta * delta * (seen * count / total)
     return mean, m2
+
+
+@triton.jit
+def online_max_sum(m, s, x):
+    """Fold a tile ``x`` (masked lanes -inf) into a running max ``m`` and sum of exp(x - m) ``s``.
+
+    While every value seen is -inf the max is -inf; the shift then uses 0 so that no -inf - -inf
+    (NaN) enters the sum, which stays 0. A row of all -inf ends with s = 0 and yields NaN, as in
+    torch.
+    """
+    m_new = tl.maximum(m, tl.max(x, axis=0))
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    s = s * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), axis=0)
+    return m_new, s

@@ -6,13 +6,15 @@
 
 from normkit.dispatch import backend_for, backend_name_for
 from normkit.errors import InvalidArgument, InvalidDtype
-from normkit.functional import layer_norm, rms_norm
+from normkit.functional import layer_norm, log_softmax, rms_norm, softmax
 
 __version__ = "0.1.0"
 
 __all__ = [
     "layer_norm",
     "rms_norm",
+    "softmax",
+    "log_softmax",
     "backend_for",
     "backend_name_for",
     "InvalidArgument",

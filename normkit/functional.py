@@ -177,3 +177,56 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):
     backend, x, p, eps = _prepare("rms_norm", input, normalized_shape, eps, weight=weight)
     y = _RMSNorm.apply(x, p["weight"], eps, backend)
     return y.view(input.shape)
+
+
+class _Softmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, log, backend):
+        with _on(x.device):
+            y = backend.softmax_fwd(x, log)
+        ctx.save_for_backward(y)
+        ctx.backend, ctx.log = backend, log
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        (y,) = ctx.saved_tensors
+        with _on(y.device):
+            return ctx.backend.softmax_bwd(_unit_stride(dy), y, ctx.log), None, None
+
+
+def _softmax(op: str, input, dim, dtype, log: bool):
+    _check_tensor(op, "input", input, required=True)
+    if dtype is not None:
+        if not isinstance(dtype, torch.dtype) or dtype not in _FLOAT_DTYPES:
+            raise InvalidDtype(f"{op}: dtype must be one of {_dtype_names(_FLOAT_DTYPES)} or None, "
+                               f"got {dtype!r}")  # fmt: skip
+        input = input.to(dtype)  # as torch: cast first, so the result (and its math) is in dtype
+    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
+        raise TypeError(f"{op}: dim must be an int, got {dim!r}")
+    ndim = max(input.dim(), 1)
+    if not -ndim <= dim < ndim:
+        raise InvalidArgument(
+            f"{op}: dim {dim} is out of range for input with {input.dim()} dims; "
+            f"expected a value in [{-ndim}, {ndim - 1}]"
+        )
+    backend = _backend(op, input)
+    # Rows along `dim`: moving it last costs a transposing copy when dim is not already last.
+    moved = input.reshape(1) if input.dim() == 0 else input.movedim(dim, -1)
+    rows = moved.reshape(-1, moved.shape[-1]) if moved.numel() else moved.reshape(0, moved.shape[-1])
+    if rows.numel() == 0:
+        backend = reference
+    y = _Softmax.apply(_unit_stride(rows), log, backend)
+    y = y.view(moved.shape)
+    return y.reshape(()) if input.dim() == 0 else y.movedim(-1, dim)
+
+
+def softmax(input, dim=-1, dtype=None):
+    """Same semantics as :func:`torch.nn.functional.softmax` (``dim`` defaults to the last)."""
+    return _softmax("softmax", input, dim, dtype, log=False)
+
+
+def log_softmax(input, dim=-1, dtype=None):
+    """Same semantics as :func:`torch.nn.functional.log_softmax` (``dim`` defaults to the last)."""
+    return _softmax("log_softmax", input, dim, dtype, log=True)

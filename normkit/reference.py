@@ -71,3 +71,24 @@ def rms_norm_bwd(dy, x, weight, rstd):
     dx = (wdy - xhat * c1) * rstd.to(acc)[:, None]
     dweight = (dyf * xhat).sum(dim=0).to(weight.dtype) if weight is not None else None
     return dx.to(x.dtype), dweight
+
+
+def softmax_fwd(x, log):
+    """x: (M, N) -> softmax (or log_softmax when ``log``) along each row, in x.dtype.
+
+    Rows whose entries are all -inf give NaN, as torch does.
+    """
+    xf = x.to(_math_dtype(x))
+    y = torch.log_softmax(xf, dim=1) if log else torch.softmax(xf, dim=1)
+    return y.to(x.dtype)
+
+
+def softmax_bwd(dy, y, log):
+    """dy, y: (M, N) (y = the forward's output) -> dx in y.dtype."""
+    acc = _math_dtype(y)
+    dyf, yf = dy.to(acc), y.to(acc)
+    if log:
+        dx = dyf - torch.exp(yf) * dyf.sum(dim=1, keepdim=True)
+    else:
+        dx = yf * (dyf - (dyf * yf).sum(dim=1, keepdim=True))
+    return dx.to(y.dtype)

@@ -20,7 +20,9 @@ import torch
 import normkit
 from normkit import dispatch, reference
 
-OPS = ("layer_norm", "rms_norm")
+NORM_OPS = ("layer_norm", "rms_norm")
+SOFTMAX_OPS = ("softmax", "log_softmax")
+OPS = NORM_OPS + SOFTMAX_OPS
 
 # (atol, rtol) per dtype. "fwd": y. "bwd": dx. "param": dweight / dbias, whose atol is further
 # multiplied by sqrt(M) (a sum over M rows: fp32 rounding grows like a random walk).
@@ -55,7 +57,7 @@ def tolerance(dtype: torch.dtype, kind: str, rows: int = 1) -> tuple[float, floa
     return atol, rtol
 
 
-def assert_close(actual, expected, dtype, kind, name, rows=1):
+def assert_close(actual, expected, dtype, kind, name, rows=1, equal_nan=False):
     """Compare ``actual`` with the fp64 ``expected`` under the table's tolerance for ``dtype``."""
     atol, rtol = tolerance(dtype, kind, rows)
     assert actual.shape == expected.shape, f"{name}: shape {actual.shape} != {expected.shape}"
@@ -64,6 +66,7 @@ def assert_close(actual, expected, dtype, kind, name, rows=1):
         expected.detach().double(),
         atol=atol,
         rtol=rtol,
+        equal_nan=equal_nan,
         msg=lambda m: f"{name} ({dtype}, {kind} tolerance atol={atol:.1e} rtol={rtol:.1e}): {m}",
     )
 
@@ -74,7 +77,8 @@ def tolerance_used(actual, expected, dtype, kind, rows=1) -> float:
         return 0.0
     atol, rtol = tolerance(dtype, kind, rows)
     expected = expected.double()
-    return ((actual.double() - expected).abs() / (atol + rtol * expected.abs())).max().item()
+    used = (actual.double() - expected).abs() / (atol + rtol * expected.abs())
+    return used.nan_to_num(0.0).max().item()  # NaN where both are NaN (checked by assert_close)
 
 
 # --- executors: which backend's kernels run on which device -------------------------------------
@@ -216,12 +220,56 @@ def poison_allocator(device) -> None:
         torch.full((numel,), float("nan"), device=device)
 
 
+def softmax_inputs(shape, dtype, device, seed=0, neg_inf=False):
+    """x (scaled randn; with ``neg_inf``, some -inf entries and one all -inf row) and dy."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g, dtype=torch.float64) * 3
+    if neg_inf and x.numel():
+        flat = x.view(-1, shape[-1])
+        flat[torch.rand(flat.shape, generator=g) < 0.2] = float("-inf")
+        flat[0] = float("-inf")
+    dy = torch.randn(shape, generator=g, dtype=torch.float64)
+    return x.to(dtype).to(device), dy.to(dtype).to(device)
+
+
+def softmax_reference(op, x, dy, dim):
+    """fp64 (y, dx) of softmax / log_softmax along ``dim`` from normkit.reference's contract."""
+    log = op == "log_softmax"
+    xm = x.detach().double().movedim(dim, -1)
+    rows = xm.reshape(-1, xm.shape[-1])
+    y = reference.softmax_fwd(rows, log)
+    dx = reference.softmax_bwd(dy.detach().double().movedim(dim, -1).reshape(rows.shape), y, log)
+    back = lambda t: t.reshape(xm.shape).movedim(-1, dim)  # noqa: E731
+    return back(y), back(dx)
+
+
+def check_softmax_case(op, shape, dim=-1, dtype=torch.float32, device="cpu", *, seed=0,
+                       neg_inf=False):
+    """softmax / log_softmax fwd+bwd through the public API vs the fp64 reference."""  # fmt: skip
+    x, dy = softmax_inputs(shape, dtype, device, seed, neg_inf)
+    ref_y, ref_dx = softmax_reference(op, x, dy, dim)
+    poison_allocator(device)
+    leaf = x.detach().requires_grad_(True)
+    y = getattr(normkit, op)(leaf, dim)
+    y.backward(dy)
+    assert y.dtype == dtype and leaf.grad.dtype == dtype
+    assert_close(y, ref_y, dtype, "fwd", "y", equal_nan=neg_inf)
+    assert_close(leaf.grad, ref_dx, dtype, "bwd", "dx", equal_nan=neg_inf)
+    return {
+        "y": tolerance_used(y, ref_y, dtype, "fwd"),
+        "dx": tolerance_used(leaf.grad, ref_dx, dtype, "bwd"),
+    }
+
+
 def check_case(op, shape, normalized_ndim=1, dtype=torch.float32, device="cpu", *, weight=True,
                bias=True, eps=None, mean=0.0, seed=0):
     """Run one case fwd+bwd through the public API and assert it matches the fp64 reference.
 
-    Returns, per output, the fraction of its tolerance used (see :func:`tolerance_used`).
+    Softmax ops reduce over the last dim (``normalized_ndim`` is ignored for them). Returns, per
+    output, the fraction of its tolerance used (see :func:`tolerance_used`).
     """  # fmt: skip
+    if op in SOFTMAX_OPS:
+        return check_softmax_case(op, shape, -1, dtype, device, seed=seed)
     if op == "layer_norm" and eps is None:
         eps = 1e-5
     inputs = make_inputs(op, shape, normalized_ndim, dtype, device, weight, bias, mean, seed)

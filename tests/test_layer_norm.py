@@ -9,7 +9,7 @@ from conftest import executor_params
 
 import normkit
 from normkit.testing import (
-    OPS,
+    NORM_OPS as OPS,
     Executor,
     assert_close,
     check_case,

@@ -12,6 +12,7 @@ from normkit.backends.cuda.layer_norm import (
     rms_norm_bwd,
     rms_norm_fwd,
 )
+from normkit.backends.cuda.softmax import softmax_bwd, softmax_fwd
 
 NAME = "cuda"
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -23,4 +24,6 @@ __all__ = [
     "layer_norm_bwd",
     "rms_norm_fwd",
     "rms_norm_bwd",
+    "softmax_fwd",
+    "softmax_bwd",
 ]

@@ -123,13 +123,25 @@ def _warps(tile_elements: int, dtype: torch.dtype) -> int:
     return max(4, min(32, triton.next_power_of_2(max(1, tile_elements // (32 * per_thread)))))
 
 
-def forward(M: int, N: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig:
-    """Row-norm forward: fused (rows in registers) or looped (one program per row)."""
+def _row_sweep(M: int, N: int, dtype: torch.dtype, fused_max: int) -> LaunchConfig:
+    """Rows in registers, ROWS to a program (fused), or one program per row looping over tiles."""
     block = triton.next_power_of_2(N)
-    if block <= _fused_max(FUSED_MAX_N_FWD, dtype):
+    if block <= _fused_max(fused_max, dtype):
         rows = max(1, min(MAX_ROWS_PER_PROGRAM, TILE_ELEMENTS_FWD // block, triton.next_power_of_2(M)))
         return LaunchConfig(block, _warps(rows * block, dtype), rows, (triton.cdiv(M, rows),), True)
     return LaunchConfig(LOOP_BLOCK_FWD, _warps(LOOP_BLOCK_FWD, dtype), 1, (M,), False)
+
+
+def forward(M: int, N: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig:
+    """Row-norm forward: fused (rows in registers) or looped (one program per row)."""
+    return _row_sweep(M, N, dtype, FUSED_MAX_N_FWD)
+
+
+def softmax(M: int, N: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig:
+    """Softmax forward and backward (no cross-row reduction): the row-norm forward's tiling.
+    The fused limit is the forward's (a row of x, or of y and dy, in registers); not yet measured
+    separately for softmax."""
+    return _row_sweep(M, N, dtype, FUSED_MAX_N_FWD)
 
 
 def row_sweep(M: int, N: int, dtype: torch.dtype) -> LaunchConfig:

@@ -14,6 +14,7 @@ from normkit.backends.npu.layer_norm import (
     rms_norm_bwd,
     rms_norm_fwd,
 )
+from normkit.backends.npu.softmax import softmax_bwd, softmax_fwd
 
 NAME = "npu"
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -25,4 +26,6 @@ __all__ = [
     "layer_norm_bwd",
     "rms_norm_fwd",
     "rms_norm_bwd",
+    "softmax_fwd",
+    "softmax_bwd",
 ]

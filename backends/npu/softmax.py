@@ -1,0 +1,106 @@
+"""Softmax and log-softmax along the last dim for Ascend NPUs (triton-ascend).
+
+Persistent grid of vector-core count programs looping over rows; each row is swept in 1024-wide
+tiles: an online max/sum pass, then the output pass (backward: a dot-product pass, then dx).
+fp32 math. Rows of all -inf give NaN, as in torch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from normkit.backends.common import online_max_sum
+from normkit.backends.npu import config
+
+
+@triton.jit
+def _fwd_kernel(
+    X,  # (M, N) input rows; row stride stride_x, unit column stride
+    Y,  # (M, N) out; row stride stride_y
+    stride_x,
+    stride_y,
+    M,
+    N,
+    BLOCK_SIZE: tl.constexpr,  # column tile (1024)
+    LOG: tl.constexpr,  # log_softmax
+):
+    # UB: one x tile plus its exp -> 2 x 4 KB = 8 KB.
+    cols = tl.arange(0, BLOCK_SIZE)
+    for row in range(tl.program_id(0), M, tl.num_programs(0)):
+        x_row = X + tl.cast(row, tl.int64) * stride_x
+        y_row = Y + tl.cast(row, tl.int64) * stride_y
+        m = float("-inf")
+        s = 0.0
+        for start in range(0, N, BLOCK_SIZE):
+            offs = start + cols
+            x = tl.load(x_row + offs, mask=offs < N, other=float("-inf")).to(tl.float32)
+            m, s = online_max_sum(m, s, x)
+        for start in range(0, N, BLOCK_SIZE):
+            offs = start + cols
+            mask = offs < N
+            x = tl.load(x_row + offs, mask=mask, other=float("-inf")).to(tl.float32)
+            if LOG:
+                y = (x - m) - tl.log(s)
+            else:
+                y = tl.exp(x - m) / s
+            tl.store(y_row + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bwd_kernel(
+    DY,  # (M, N) output gradient rows; row stride stride_dy
+    Y,  # (M, N) forward output rows; row stride stride_y
+    DX,  # (M, N) out; row stride stride_dx
+    stride_dy,
+    stride_y,
+    stride_dx,
+    M,
+    N,
+    BLOCK_SIZE: tl.constexpr,
+    LOG: tl.constexpr,
+):
+    # UB: dy, y, dx tiles -> 3 x 4 KB = 12 KB.
+    cols = tl.arange(0, BLOCK_SIZE)
+    for row in range(tl.program_id(0), M, tl.num_programs(0)):
+        row64 = tl.cast(row, tl.int64)
+        c = 0.0
+        for start in range(0, N, BLOCK_SIZE):
+            offs = start + cols
+            mask = offs < N
+            dy = tl.load(DY + row64 * stride_dy + offs, mask=mask, other=0.0).to(tl.float32)
+            if LOG:
+                c += tl.sum(dy, axis=0)
+            else:
+                y = tl.load(Y + row64 * stride_y + offs, mask=mask, other=0.0).to(tl.float32)
+                c += tl.sum(dy * y, axis=0)
+        for start in range(0, N, BLOCK_SIZE):
+            offs = start + cols
+            mask = offs < N
+            dy = tl.load(DY + row64 * stride_dy + offs, mask=mask, other=0.0).to(tl.float32)
+            y = tl.load(Y + row64 * stride_y + offs, mask=mask, other=0.0).to(tl.float32)
+            if LOG:
+                dx = dy - tl.exp(y) * c
+            else:
+                dx = y * (dy - c)
+            tl.store(DX + row64 * stride_dx + offs, dx.to(DX.dtype.element_ty), mask=mask)
+
+
+def softmax_fwd(x, log):
+    """x: (M, N) rows -> softmax (log_softmax when ``log``) of each row, in x.dtype."""
+    M, N = x.shape
+    cfg = config.rows(M, x.device)
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    _fwd_kernel[cfg.grid](x, y, x.stride(0), y.stride(0), M, N, BLOCK_SIZE=cfg.block_size, LOG=log)
+    return y
+
+
+def softmax_bwd(dy, y, log):
+    """dy, y: (M, N) -> dx, in y.dtype."""
+    M, N = y.shape
+    cfg = config.rows(M, y.device)
+    dx = torch.empty((M, N), dtype=y.dtype, device=y.device)
+    _bwd_kernel[cfg.grid](dy, y, dx, dy.stride(0), y.stride(0), dx.stride(0), M, N,
+                          BLOCK_SIZE=cfg.block_size, LOG=log)  # fmt: skip
+    return dx

@@ -1,0 +1,97 @@
+"""softmax / log_softmax kernels of every backend vs the fp64 reference, forward and backward."""
+
+import zlib
+
+import pytest
+import torch
+from conftest import executor_params
+
+import normkit
+from normkit.testing import SOFTMAX_OPS, check_softmax_case
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+DEVICE_SHAPES = [(m, n) for m in (1, 3, 128, 1151) for n in (1, 7, 1023, 1024, 1025, 4096, 40999)]
+# One shape per code path: fused single/many rows per program, tile edges, the looped (online
+# max/sum) path at 40999 > the fused limit, multi-tile NPU rows.
+INTERPRETER_SHAPES = [(1, 1), (3, 7), (1151, 7), (3, 1023), (2, 1025), (2, 4096), (2, 40999)]
+
+
+@pytest.mark.parametrize("op", SOFTMAX_OPS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("executor,shape", executor_params(
+    [(s,) for s in INTERPRETER_SHAPES], [(s,) for s in DEVICE_SHAPES]))  # fmt: skip
+def test_matches_reference(run_on, executor, shape, dtype, op):
+    with run_on(executor, dtype):
+        check_softmax_case(op, shape, -1, dtype, executor.device, seed=zlib.crc32(f"{shape}{op}".encode()))
+
+
+@pytest.mark.parametrize("op", SOFTMAX_OPS)
+@pytest.mark.parametrize("executor,shape,dim", executor_params(
+    [((4, 5, 33), 0), ((4, 5, 33), 1), ((6, 2050), 0)],
+    [((4, 5, 33), 0), ((4, 5, 33), 1), ((64, 128, 257), 1), ((4099, 64), 0)]))  # fmt: skip
+def test_any_dim(run_on, executor, shape, dim, op):
+    """A non-last dim is moved last (a transposing copy) and back."""
+    with run_on(executor, torch.float32):
+        check_softmax_case(op, shape, dim, torch.float32, executor.device)
+
+
+@pytest.mark.parametrize("op", SOFTMAX_OPS)
+@pytest.mark.parametrize("executor,shape", executor_params(
+    [((9, 33),), ((3, 40999),)], [((1151, 1025),), ((5, 40999),)]))  # fmt: skip
+def test_neg_inf_entries_and_rows_like_torch(run_on, executor, shape, op):
+    """-inf entries give 0 (softmax) / -inf (log_softmax); an all -inf row gives NaN, as torch."""
+    with run_on(executor, torch.float32):
+        check_softmax_case(op, shape, -1, torch.float32, executor.device, neg_inf=True)
+
+
+@pytest.mark.parametrize("op", SOFTMAX_OPS)
+@pytest.mark.parametrize("executor,shape", executor_params([((3, 1025),)], [((128, 4096),)]))
+def test_dtype_argument_casts_first(run_on, executor, shape, op):
+    """dtype=float32 on a bf16 input: the cast happens first, output and math in fp32."""
+    with run_on(executor, torch.float32):
+        x = torch.randn(shape, dtype=torch.bfloat16, device=executor.device, requires_grad=True)
+        y = getattr(normkit, op)(x, -1, dtype=torch.float32)
+        expected = getattr(torch.nn.functional, op)(x.detach().double(), -1)
+        assert y.dtype == torch.float32
+        torch.testing.assert_close(y.double(), expected, atol=2e-5, rtol=2e-5)
+        y.sum().backward()
+        assert x.grad.dtype == torch.bfloat16
+
+
+def test_softmax_reference_matches_torch():
+    g = torch.Generator().manual_seed(0)
+    for shape, dim in (((3, 7), -1), ((4, 5, 6), 1), ((2, 3), 0), ((), 0)):
+        x = torch.randn(shape, generator=g, dtype=torch.float64, requires_grad=True)
+        for op in SOFTMAX_OPS:
+            ours, theirs = getattr(normkit, op)(x, dim), getattr(torch.nn.functional, op)(x, dim)
+            torch.testing.assert_close(ours, theirs)
+            w = torch.randn(shape, generator=g, dtype=torch.float64)
+            (g1,) = torch.autograd.grad((ours * w).sum(), x)
+            (g2,) = torch.autograd.grad((theirs * w).sum(), x)
+            torch.testing.assert_close(g1, g2)
+            fn = getattr(normkit, op)
+            assert torch.autograd.gradcheck(lambda t, fn=fn, dim=dim: fn(t, dim), (x,))
+
+
+@pytest.mark.parametrize("op", SOFTMAX_OPS)
+def test_softmax_errors_name_the_argument(op):
+    fn = getattr(normkit, op)
+    with pytest.raises(normkit.InvalidArgument, match="dim 2 is out of range.*\\[-2, 1\\]"):
+        fn(torch.randn(3, 4), 2)
+    with pytest.raises(TypeError, match="dim must be an int"):
+        fn(torch.randn(3, 4), 1.0)
+    with pytest.raises(normkit.InvalidDtype, match="dtype must be one of"):
+        fn(torch.randn(3, 4), -1, dtype=torch.int32)
+    with pytest.raises(normkit.InvalidDtype, match="input has dtype torch.int64"):
+        fn(torch.ones(3, 4, dtype=torch.long), -1)
+
+
+@pytest.mark.parametrize("op", SOFTMAX_OPS)
+@pytest.mark.parametrize("shape", [(0, 5), (3, 0), (2, 0, 4)], ids=str)
+def test_softmax_empty_like_torch(op, shape):
+    x = torch.randn(shape, requires_grad=True)
+    y = getattr(normkit, op)(x, -1)
+    expected = getattr(torch.nn.functional, op)(x, -1)
+    assert y.shape == expected.shape
+    y.sum().backward()
+    assert x.grad.shape == x.shape

@@ -45,3 +45,32 @@ def online_max_sum(m, s, x):
     shift = tl.where(m_new == float("-inf"), 0.0, m_new)
     s = s * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), axis=0)
     return m_new, s
+
+
+@triton.jit
+def residual_in(x, r_ptrs, mask, seed, offsets, p, scale, HAS_R: tl.constexpr, DROPOUT: tl.constexpr):
+    """h = dropout(x) + residual for the fused add-norm (``x`` already in the math dtype).
+
+    The dropout mask is regenerated, never stored: element (row, col) is kept where
+    ``tl.rand(seed, row * N + col) >= p`` and then scaled by ``scale = 1 / (1 - p)``.
+    """
+    if DROPOUT:
+        x = tl.where(tl.rand(seed, offsets) >= p, x * scale, 0.0)
+    if HAS_R:
+        x = x + tl.load(r_ptrs, mask=mask, other=0.0).to(x.dtype)
+    return x
+
+
+@triton.jit
+def residual_grad(dh, dh_ptrs, dres_ptrs, mask, seed, offsets, p, scale,
+                  HAS_DH: tl.constexpr, HAS_DRES: tl.constexpr, DROPOUT: tl.constexpr):
+    """From the norm's gradient w.r.t. h: add h's own incoming gradient (``dh_ptrs``), store the
+    residual's gradient (= dh), and return x's gradient (dh through the regenerated dropout mask).
+    With every flag off it returns ``dh`` unchanged (the plain norms)."""  # fmt: skip
+    if HAS_DH:
+        dh = dh + tl.load(dh_ptrs, mask=mask, other=0.0).to(dh.dtype)
+    if HAS_DRES:
+        tl.store(dres_ptrs, dh.to(dres_ptrs.dtype.element_ty), mask=mask)
+    if DROPOUT:
+        dh = tl.where(tl.rand(seed, offsets) >= p, dh * scale, 0.0)
+    return dh

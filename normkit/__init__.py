@@ -6,7 +6,14 @@
 
 from normkit.dispatch import backend_for, backend_name_for
 from normkit.errors import InvalidArgument, InvalidDtype
-from normkit.functional import layer_norm, log_softmax, rms_norm, softmax
+from normkit.functional import (
+    add_layer_norm,
+    add_rms_norm,
+    layer_norm,
+    log_softmax,
+    rms_norm,
+    softmax,
+)
 
 __version__ = "0.1.0"
 
@@ -15,6 +22,8 @@ __all__ = [
     "rms_norm",
     "softmax",
     "log_softmax",
+    "add_layer_norm",
+    "add_rms_norm",
     "backend_for",
     "backend_name_for",
     "InvalidArgument",

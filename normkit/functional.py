@@ -38,7 +38,7 @@ def _check_tensor(op: str, name: str, value, required: bool) -> None:
         )
 
 
-def _normalized_shape(op: str, input: torch.Tensor, normalized_shape) -> tuple[int, ...]:
+def _normalized_shape(op: str, input: torch.Tensor, normalized_shape, name="input") -> tuple[int, ...]:
     if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
         shape = (int(normalized_shape),)
     elif isinstance(normalized_shape, Sequence) and all(
@@ -53,8 +53,8 @@ def _normalized_shape(op: str, input: torch.Tensor, normalized_shape) -> tuple[i
         raise InvalidArgument(f"{op}: normalized_shape must have at least one dimension, got ()")
     if tuple(input.shape[input.dim() - len(shape):]) != shape or input.dim() < len(shape):
         raise InvalidArgument(
-            f"{op}: normalized_shape {list(shape)} does not match the trailing dims of input "
-            f"with shape {list(input.shape)}; expected input.shape[-{len(shape)}:] == {list(shape)}"
+            f"{op}: normalized_shape {list(shape)} does not match the trailing dims of {name} "
+            f"with shape {list(input.shape)}; expected {name}.shape[-{len(shape)}:] == {list(shape)}"
         )
     return shape
 
@@ -75,11 +75,11 @@ def _check_eps(op: str, eps) -> float:
     return float(eps)
 
 
-def _backend(op: str, input: torch.Tensor, **params) -> ModuleType:
+def _backend(op: str, input: torch.Tensor, name="input", **params) -> ModuleType:
     backend = dispatch.backend_for_tensors(input, **params)
     if input.dtype not in backend.SUPPORTED_DTYPES:
         raise InvalidDtype(
-            f"{op}: input has dtype {input.dtype}, which the {backend.NAME} backend serving "
+            f"{op}: {name} has dtype {input.dtype}, which the {backend.NAME} backend serving "
             f"{input.device.type} does not support; accepted: {_dtype_names(backend.SUPPORTED_DTYPES)}"
         )
     return backend
@@ -94,14 +94,14 @@ def _flat_param(p: torch.Tensor | None) -> torch.Tensor | None:
     return None if p is None else p.reshape(-1).contiguous()
 
 
-def _prepare(op, input, normalized_shape, eps, **params):
+def _prepare(op, input, normalized_shape, eps, input_name="input", **params):
     """Validate everything and return (backend, (M, N) rows of input, flat params, eps)."""
-    _check_tensor(op, "input", input, required=True)
-    shape = _normalized_shape(op, input, normalized_shape)
+    _check_tensor(op, input_name, input, required=True)
+    shape = _normalized_shape(op, input, normalized_shape, input_name)
     for name, value in params.items():
         _check_param(op, name, value, shape)
     eps = _check_eps(op, eps)
-    backend = _backend(op, input, **params)
+    backend = _backend(op, input, input_name, **params)
     m = math.prod(input.shape[: input.dim() - len(shape)])
     x = _unit_stride(input.reshape(m, math.prod(shape)))
     if x.numel() == 0:
@@ -230,3 +230,103 @@ def softmax(input, dim=-1, dtype=None):
 def log_softmax(input, dim=-1, dtype=None):
     """Same semantics as :func:`torch.nn.functional.log_softmax` (``dim`` defaults to the last)."""
     return _softmax("log_softmax", input, dim, dtype, log=True)
+
+
+class _AddNorm(torch.autograd.Function):
+    """h = dropout(x) + residual; y = norm(h). Outputs (y, h); h is the residual stream."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, bias, eps, dropout_p, seed, h_dtype, is_rms, backend):
+        ctx.set_materialize_grads(False)  # h's gradient stays None when h is not used
+        with _on(x.device):
+            if is_rms:
+                y, h, rstd = backend.add_rms_norm_fwd(x, residual, weight, eps, dropout_p, seed, h_dtype)
+                mean = rstd
+            else:
+                y, h, mean, rstd = backend.add_layer_norm_fwd(
+                    x, residual, weight, bias, eps, dropout_p, seed, h_dtype
+                )
+        ctx.save_for_backward(h, weight, mean, rstd)
+        ctx.backend, ctx.is_rms, ctx.dropout_p, ctx.seed = backend, is_rms, dropout_p, seed
+        ctx.dtypes = (x.dtype, None if residual is None else residual.dtype,
+                      None if bias is None else bias.dtype)  # fmt: skip
+        return y, h
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy, dh):
+        h, weight, mean, rstd = ctx.saved_tensors
+        x_dtype, residual_dtype, bias_dtype = ctx.dtypes
+        dy = torch.zeros_like(h, dtype=x_dtype) if dy is None else _unit_stride(dy)
+        dh = None if dh is None else _unit_stride(dh)
+        drop = (ctx.dropout_p, ctx.seed, x_dtype, residual_dtype)
+        with _on(h.device):
+            if ctx.is_rms:
+                dx, dres, dweight = ctx.backend.add_rms_norm_bwd(dy, dh, h, weight, rstd, *drop)
+                dbias = None
+            else:
+                dx, dres, dweight, dbias = ctx.backend.add_layer_norm_bwd(
+                    dy, dh, h, weight, mean, rstd, bias_dtype, *drop
+                )
+        return dx, dres, dweight, dbias, None, None, None, None, None, None
+
+
+def _add_norm(op, x, residual, normalized_shape, weight, bias, eps, dropout_p, seed, residual_dtype,
+              prenorm, is_rms):  # fmt: skip
+    if residual is not None:
+        _check_tensor(op, "residual", residual, required=True)
+        if isinstance(x, torch.Tensor) and residual.shape != x.shape:
+            raise InvalidArgument(
+                f"{op}: residual has shape {list(residual.shape)}; expected x's shape {list(x.shape)}"
+            )
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0 <= dropout_p < 1:
+        raise InvalidArgument(f"{op}: dropout_p must be a number in [0, 1), got {dropout_p!r}")
+    if seed is None:
+        # Drawn from torch's CPU generator (reproducible under torch.manual_seed; no device sync).
+        seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if dropout_p > 0 else 0
+    elif isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2**63:
+        raise InvalidArgument(f"{op}: seed must be an int in [0, 2**63) or None, got {seed!r}")
+    if residual_dtype is not None and residual_dtype not in _FLOAT_DTYPES:
+        raise InvalidDtype(f"{op}: residual_dtype must be one of {_dtype_names(_FLOAT_DTYPES)} or "
+                           f"None, got {residual_dtype!r}")  # fmt: skip
+    params = dict(weight=weight) if is_rms else dict(weight=weight, bias=bias)
+    backend, rows, p, eps = _prepare(op, x, normalized_shape, eps, input_name="x", **params)
+    dispatch.backend_for_tensors(x, residual=residual)  # same device, or an error naming residual
+    h_dtype = residual_dtype or (residual.dtype if residual is not None else x.dtype)
+    for name, dtype in (("residual", None if residual is None else residual.dtype), ("h", h_dtype)):
+        if dtype is not None and dtype not in backend.SUPPORTED_DTYPES:
+            raise InvalidDtype(f"{op}: {name} dtype {dtype} is not supported by the {backend.NAME} "
+                               f"backend; accepted: {_dtype_names(backend.SUPPORTED_DTYPES)}")  # fmt: skip
+    r_rows = None if residual is None else _unit_stride(residual.reshape(rows.shape))
+    y, h = _AddNorm.apply(rows, r_rows, p["weight"], p.get("bias"), eps, float(dropout_p), int(seed),
+                          h_dtype, is_rms, backend)  # fmt: skip
+    y, h = y.view(x.shape), h.view(x.shape)
+    return (y, h) if prenorm else y
+
+
+def add_layer_norm(x, residual, normalized_shape, weight=None, bias=None, eps=1e-5, dropout_p=0.0,
+                   seed=None, residual_dtype=None, prenorm=False):  # fmt: skip
+    """``h = dropout(x) + residual; y = layer_norm(h)`` in one pass. Returns y, or (y, h) with
+    ``prenorm=True``.
+
+    - ``residual`` may be None (h = dropout(x)). h is kept in ``residual_dtype`` (default: the
+      residual's dtype, else x's), e.g. an fp32 residual stream with bf16 activations; y is in x's
+      dtype.
+    - Dropout keeps each element of x with probability 1 - ``dropout_p`` and scales it by
+      1 / (1 - dropout_p). The mask is never stored: it is a function of (``seed``, element index),
+      regenerated in the backward, so the same seed gives the same mask on every call. ``seed=None``
+      draws one from torch's default CPU generator.
+    - Gradients flow to x, residual, weight and bias (and into h's own uses when returned).
+    """
+    return _add_norm("add_layer_norm", x, residual, normalized_shape, weight, bias, eps, dropout_p,
+                     seed, residual_dtype, prenorm, is_rms=False)  # fmt: skip
+
+
+def add_rms_norm(x, residual, normalized_shape, weight=None, eps=None, dropout_p=0.0, seed=None,
+                 residual_dtype=None, prenorm=False):  # fmt: skip
+    """``h = dropout(x) + residual; y = rms_norm(h)``; see :func:`add_layer_norm`.
+    ``eps=None`` means ``torch.finfo(x.dtype).eps``, as in :func:`torch.nn.functional.rms_norm`."""
+    if eps is None and isinstance(x, torch.Tensor) and x.dtype.is_floating_point:
+        eps = torch.finfo(x.dtype).eps
+    return _add_norm("add_rms_norm", x, residual, normalized_shape, weight, None, eps, dropout_p,
+                     seed, residual_dtype, prenorm, is_rms=True)  # fmt: skip

@@ -25,14 +25,36 @@ def _affine(xhat, weight, bias):
     return xhat
 
 
-def layer_norm_fwd(x, weight, bias, eps):
-    """x: (M, N); weight, bias: (N,) or None -> (y (M, N) in x.dtype, mean (M,), rstd (M,))."""
+def _norm_fwd(x, weight, bias, eps, is_rms):
+    """-> (y in the math dtype, mean or None, rstd)."""
     xf = x.to(_math_dtype(x))
-    mean = xf.mean(dim=1)
-    xc = xf - mean[:, None]
+    if is_rms:
+        mean, xc = None, xf
+    else:
+        mean = xf.mean(dim=1)
+        xc = xf - mean[:, None]
     # Two-pass variance (mean of centred squares): exact for large means, unlike E[x^2] - E[x]^2.
     rstd = torch.rsqrt((xc * xc).mean(dim=1) + eps)
-    y = _affine(xc * rstd[:, None], weight, bias)
+    return _affine(xc * rstd[:, None], weight, bias), mean, rstd
+
+
+def _norm_bwd(dy, x, weight, mean, rstd, bias_dtype):
+    """-> (dx in the math dtype, dweight, dbias); mean None means RMSNorm."""
+    acc = _math_dtype(x)
+    dyf, r = dy.to(acc), rstd.to(acc)[:, None]
+    xhat = (x.to(acc) if mean is None else x.to(acc) - mean.to(acc)[:, None]) * r
+    wdy = dyf * weight.to(acc) if weight is not None else dyf
+    dx = wdy - xhat * (xhat * wdy).mean(dim=1, keepdim=True)
+    if mean is not None:
+        dx = dx - wdy.mean(dim=1, keepdim=True)
+    dweight = (dyf * xhat).sum(dim=0).to(weight.dtype) if weight is not None else None
+    dbias = dyf.sum(dim=0).to(bias_dtype) if bias_dtype is not None else None
+    return dx * r, dweight, dbias
+
+
+def layer_norm_fwd(x, weight, bias, eps):
+    """x: (M, N); weight, bias: (N,) or None -> (y (M, N) in x.dtype, mean (M,), rstd (M,))."""
+    y, mean, rstd = _norm_fwd(x, weight, bias, eps, is_rms=False)
     return y.to(x.dtype), mean, rstd
 
 
@@ -41,36 +63,79 @@ def layer_norm_bwd(dy, x, weight, mean, rstd, bias_dtype):
 
     ``bias_dtype`` is the bias's dtype, or None when the forward had no bias.
     """
-    acc = _math_dtype(x)
-    dyf = dy.to(acc)
-    xhat = (x.to(acc) - mean.to(acc)[:, None]) * rstd.to(acc)[:, None]
-    wdy = dyf * weight.to(acc) if weight is not None else dyf
-    c1 = (xhat * wdy).mean(dim=1, keepdim=True)
-    c2 = wdy.mean(dim=1, keepdim=True)
-    dx = (wdy - (xhat * c1 + c2)) * rstd.to(acc)[:, None]
-    dweight = (dyf * xhat).sum(dim=0).to(weight.dtype) if weight is not None else None
-    dbias = dyf.sum(dim=0).to(bias_dtype) if bias_dtype is not None else None
+    dx, dweight, dbias = _norm_bwd(dy, x, weight, mean, rstd, bias_dtype)
     return dx.to(x.dtype), dweight, dbias
 
 
 def rms_norm_fwd(x, weight, eps):
     """x: (M, N); weight: (N,) or None -> (y (M, N) in x.dtype, rstd (M,))."""
-    xf = x.to(_math_dtype(x))
-    rstd = torch.rsqrt((xf * xf).mean(dim=1) + eps)
-    y = _affine(xf * rstd[:, None], weight, None)
+    y, _, rstd = _norm_fwd(x, weight, None, eps, is_rms=True)
     return y.to(x.dtype), rstd
 
 
 def rms_norm_bwd(dy, x, weight, rstd):
     """-> (dx (M, N) in x.dtype, dweight in weight.dtype or None)."""
-    acc = _math_dtype(x)
-    dyf = dy.to(acc)
-    xhat = x.to(acc) * rstd.to(acc)[:, None]
-    wdy = dyf * weight.to(acc) if weight is not None else dyf
-    c1 = (xhat * wdy).mean(dim=1, keepdim=True)
-    dx = (wdy - xhat * c1) * rstd.to(acc)[:, None]
-    dweight = (dyf * xhat).sum(dim=0).to(weight.dtype) if weight is not None else None
+    dx, dweight, _ = _norm_bwd(dy, x, weight, None, rstd, None)
     return dx.to(x.dtype), dweight
+
+
+def dropout_keep(shape, dropout_p, seed, device):
+    """The reference backend's dropout mask: a function of (seed, shape) alone, so the backward
+    regenerates the forward's mask. (The Triton backends derive theirs from Philox on
+    (seed, row * N + col); masks of different backends differ, as torch's do across devices.)"""
+    g = torch.Generator(device=device).manual_seed(seed)
+    return torch.rand(shape, generator=g, device=device) >= dropout_p
+
+
+def _residual_in(x, residual, dropout_p, seed, h_dtype):
+    h = x.to(_math_dtype(x))
+    if dropout_p > 0:
+        keep = dropout_keep(x.shape, dropout_p, seed, x.device)
+        h = torch.where(keep, h * (1.0 / (1.0 - dropout_p)), 0.0)
+    if residual is not None:
+        h = h + residual.to(h.dtype)
+    return h.to(h_dtype)
+
+
+def _residual_grad(dh_norm, dh, dropout_p, seed, x_dtype, residual_dtype):
+    dh_total = dh_norm if dh is None else dh_norm + dh.to(dh_norm.dtype)
+    dres = dh_total.to(residual_dtype) if residual_dtype is not None else None
+    dx = dh_total
+    if dropout_p > 0:
+        keep = dropout_keep(dx.shape, dropout_p, seed, dx.device)
+        dx = torch.where(keep, dx * (1.0 / (1.0 - dropout_p)), 0.0)
+    return dx.to(x_dtype), dres
+
+
+def add_layer_norm_fwd(x, residual, weight, bias, eps, dropout_p, seed, h_dtype):
+    """h = dropout(x) + residual (residual may be None), stored in h_dtype; y = layer_norm(h) in
+    x.dtype. -> (y, h, mean, rstd)."""
+    h = _residual_in(x, residual, dropout_p, seed, h_dtype)
+    y, mean, rstd = _norm_fwd(h, weight, bias, eps, is_rms=False)
+    return y.to(x.dtype), h, mean, rstd
+
+
+def add_layer_norm_bwd(dy, dh, h, weight, mean, rstd, bias_dtype, dropout_p, seed, x_dtype,
+                       residual_dtype):  # fmt: skip
+    """dh: h's own incoming gradient or None; residual_dtype None when there was no residual.
+    -> (dx in x_dtype, dresidual in residual_dtype or None, dweight, dbias)."""
+    dh_norm, dweight, dbias = _norm_bwd(dy, h, weight, mean, rstd, bias_dtype)
+    dx, dres = _residual_grad(dh_norm, dh, dropout_p, seed, x_dtype, residual_dtype)
+    return dx, dres, dweight, dbias
+
+
+def add_rms_norm_fwd(x, residual, weight, eps, dropout_p, seed, h_dtype):
+    """-> (y, h, rstd); see add_layer_norm_fwd."""
+    h = _residual_in(x, residual, dropout_p, seed, h_dtype)
+    y, _, rstd = _norm_fwd(h, weight, None, eps, is_rms=True)
+    return y.to(x.dtype), h, rstd
+
+
+def add_rms_norm_bwd(dy, dh, h, weight, rstd, dropout_p, seed, x_dtype, residual_dtype):
+    """-> (dx, dresidual or None, dweight or None); see add_layer_norm_bwd."""
+    dh_norm, dweight, _ = _norm_bwd(dy, h, weight, None, rstd, None)
+    dx, dres = _residual_grad(dh_norm, dh, dropout_p, seed, x_dtype, residual_dtype)
+    return dx, dres, dweight
 
 
 def softmax_fwd(x, log):

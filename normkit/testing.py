@@ -22,7 +22,8 @@ from normkit import dispatch, reference
 
 NORM_OPS = ("layer_norm", "rms_norm")
 SOFTMAX_OPS = ("softmax", "log_softmax")
-OPS = NORM_OPS + SOFTMAX_OPS
+ADD_OPS = ("add_layer_norm", "add_rms_norm")
+OPS = NORM_OPS + SOFTMAX_OPS + ADD_OPS
 
 # (atol, rtol) per dtype. "fwd": y. "bwd": dx. "param": dweight / dbias, whose atol is further
 # multiplied by sqrt(M) (a sum over M rows: fp32 rounding grows like a random walk).
@@ -270,6 +271,8 @@ def check_case(op, shape, normalized_ndim=1, dtype=torch.float32, device="cpu", 
     """  # fmt: skip
     if op in SOFTMAX_OPS:
         return check_softmax_case(op, shape, -1, dtype, device, seed=seed)
+    if op in ADD_OPS:  # residual + dropout (p = 0.1) + norm, with h used downstream
+        return check_add_norm_case(op, shape, dtype, device, dropout_p=0.1, seed=seed)
     if op == "layer_norm" and eps is None:
         eps = 1e-5
     inputs = make_inputs(op, shape, normalized_ndim, dtype, device, weight, bias, mean, seed)
@@ -288,3 +291,98 @@ def check_case(op, shape, normalized_ndim=1, dtype=torch.float32, device="cpu", 
         assert_close(out[key], ref[key], dtype, kind, key, rows)
         errors[key] = tolerance_used(out[key], ref[key], dtype, kind, rows)
     return errors
+
+
+# --- fused residual add + dropout + norm -----------------------------------------------------------
+
+
+def add_norm_inputs(op, shape, dtype, device, *, residual=True, residual_dtype=None, weight=True,
+                    bias=True, seed=0):
+    """x, residual (in residual_dtype, default x's), weight, bias, dy, dh: fresh randn, never 0."""
+    inputs = make_inputs(op[4:], shape, 1, dtype, device, weight, bias, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    h_dtype = residual_dtype or dtype
+    rand = lambda dt: torch.randn(shape, generator=g, dtype=torch.float64).to(dt).to(device)  # noqa: E731
+    inputs["residual"] = rand(h_dtype) if residual else None
+    inputs["dh"] = rand(h_dtype)
+    return inputs
+
+
+def add_norm_public(op, x, residual, weight, bias, normalized_shape, dy=None, dh=None, eps=None,
+                    dropout_p=0.0, seed=None, residual_dtype=None):
+    """(outputs and gradients) of the public op, prenorm=True; loss = <y, dy> + <h, dh>."""  # fmt: skip
+    leaves = {k: None if t is None else t.detach().requires_grad_(True)
+              for k, t in dict(x=x, residual=residual, weight=weight, bias=bias).items()}  # fmt: skip
+    kw = dict(eps=eps, dropout_p=dropout_p, seed=seed, residual_dtype=residual_dtype, prenorm=True)
+    if op == "add_layer_norm":
+        kw["eps"] = 1e-5 if eps is None else eps
+        y, h = normkit.add_layer_norm(leaves["x"], leaves["residual"], normalized_shape,
+                                      leaves["weight"], leaves["bias"], **kw)  # fmt: skip
+    else:
+        y, h = normkit.add_rms_norm(leaves["x"], leaves["residual"], normalized_shape,
+                                    leaves["weight"], **kw)  # fmt: skip
+    if dy is not None:
+        outputs, grads = [y] + ([h] if dh is not None else []), [dy] + ([dh] if dh is not None else [])
+        torch.autograd.backward(outputs, grads)
+    result = dict(y=y.detach(), h=h.detach())
+    for k, t in leaves.items():
+        result["d" + k] = None if t is None else t.grad
+    return result
+
+
+def dropout_keep_mask(op, x, dropout_p, seed):
+    """The serving backend's dropout mask for (seed, x's shape): h = dropout(x) with no residual is
+    exactly 0 where dropped (x is never 0)."""
+    n = x.shape[-1]
+    return add_norm_public(op, x, None, None, None, (n,), dropout_p=dropout_p, seed=seed)["h"] != 0
+
+
+def add_norm_reference(op, x, residual, weight, bias, dy, dh, normalized_shape, eps, keep, dropout_p,
+                       h_dtype):
+    """fp64 outputs and gradients by torch autograd through the explicit ``keep`` mask. h is rounded
+    to ``h_dtype`` in the forward (as stored) and passed straight through in the backward."""  # fmt: skip
+    up = lambda t: None if t is None else t.detach().double().requires_grad_(True)  # noqa: E731
+    x64, r64, w64, b64 = up(x), up(residual), up(weight), up(bias)
+    h = x64 * keep * (1.0 / (1.0 - dropout_p)) if dropout_p > 0 else x64
+    if r64 is not None:
+        h = h + r64
+    h_used = h + (h.to(h_dtype).double() - h).detach()
+    if op == "add_layer_norm":
+        y = torch.nn.functional.layer_norm(h_used, normalized_shape, w64, b64, 1e-5 if eps is None else eps)
+    else:
+        eps = torch.finfo(x.dtype).eps if eps is None else eps
+        y = torch.nn.functional.rms_norm(h_used, normalized_shape, w64, eps)
+    torch.autograd.backward([y, h_used], [dy.double(), dh.double()])
+    grad = lambda t: None if t is None else t.grad  # noqa: E731
+    return dict(y=y.detach(), h=h_used.detach(), dx=x64.grad, dresidual=grad(r64),
+                dweight=grad(w64), dbias=grad(b64))  # fmt: skip
+
+
+def check_add_norm_case(op, shape, dtype=torch.float32, device="cpu", *, residual=True,
+                        residual_dtype=None, weight=True, bias=True, dropout_p=0.0, seed=0):
+    """The fused op (prenorm=True, both outputs used) vs fp64 autograd through an explicit mask."""
+    inputs = add_norm_inputs(op, shape, dtype, device, residual=residual,
+                             residual_dtype=residual_dtype, weight=weight, bias=bias, seed=seed)  # fmt: skip
+    x, n = inputs["x"], shape[-1]
+    if dropout_p > 0:
+        keep = dropout_keep_mask(op, x, dropout_p, seed)
+    else:
+        keep = torch.ones_like(x, dtype=torch.bool)
+    h_dtype = residual_dtype or (inputs["residual"].dtype if residual else dtype)
+    args = [inputs[k] for k in ("x", "residual", "weight", "bias")]
+    ref = add_norm_reference(op, *args, inputs["dy"], inputs["dh"], (n,), None, keep, dropout_p, h_dtype)
+    poison_allocator(device)
+    out = add_norm_public(op, *args, (n,), inputs["dy"], inputs["dh"], None, dropout_p, seed,
+                          residual_dtype)  # fmt: skip
+    rows = math.prod(shape[:-1])
+    used = {}
+    kinds = (("y", "fwd"), ("h", "fwd"), ("dx", "bwd"), ("dresidual", "bwd"), ("dweight", "param"),
+             ("dbias", "param"))  # fmt: skip
+    for key, kind in kinds:
+        if ref[key] is None:
+            assert out[key] is None, f"{key}: expected None, got a tensor"
+            continue
+        dt = out[key].dtype
+        assert_close(out[key], ref[key], dt, kind, key, rows)
+        used[key] = tolerance_used(out[key], ref[key], dt, kind, rows)
+    return used

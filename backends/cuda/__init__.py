@@ -7,6 +7,10 @@ Triton's interpreter (TRITON_INTERPRET=1), which is how CI exercises these kerne
 import torch
 
 from normkit.backends.cuda.layer_norm import (
+    add_layer_norm_bwd,
+    add_layer_norm_fwd,
+    add_rms_norm_bwd,
+    add_rms_norm_fwd,
     layer_norm_bwd,
     layer_norm_fwd,
     rms_norm_bwd,
@@ -26,4 +30,8 @@ __all__ = [
     "rms_norm_bwd",
     "softmax_fwd",
     "softmax_bwd",
+    "add_layer_norm_fwd",
+    "add_layer_norm_bwd",
+    "add_rms_norm_fwd",
+    "add_rms_norm_bwd",
 ]

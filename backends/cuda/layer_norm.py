@@ -11,6 +11,11 @@ Two shapes of kernel, chosen by ``config.forward`` / ``config.backward`` from th
   per-row sweep for the two dx reduction terms, then a (row chunk x column tile) grid computing dx
   and the dweight/dbias partials.
 Partials are summed in a fixed order by ``reduce.sum_partials``: deterministic, no atomics.
+
+The fused residual path (``add_layer_norm`` / ``add_rms_norm``) runs the same kernels with ``ADD``
+on: the forward forms h = dropout(x) + residual in registers, stores h (the residual stream, in
+its own dtype) and normalizes h; the backward reads h, adds h's own incoming gradient, stores the
+residual's gradient and passes x's gradient through the dropout mask, regenerated from the seed.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from normkit.backends.common import chan_merge, normalize
+from normkit.backends.common import chan_merge, normalize, residual_grad, residual_in
 from normkit.backends.cuda import config
 from normkit.backends.cuda.reduce import sum_partials
 
@@ -37,21 +42,31 @@ def _reciprocal(n, ACC: tl.constexpr):
 @triton.jit
 def _fwd_fused_kernel(
     X,  # (M, N) input rows; row stride stride_x, unit column stride
+    R,  # (M, N) residual rows; row stride stride_r (read when ADD and HAS_R)
+    H,  # (M, N) out: h = dropout(x) + residual, residual dtype (written when ADD)
     Y,  # (M, N) output rows; row stride stride_y
     W,  # (N,) weight (unread unless HAS_W)
     B,  # (N,) bias (unread unless HAS_B)
     Mean,  # (M,) out: row means in ACC (unwritten when IS_RMS)
     Rstd,  # (M,) out: 1 / sqrt(var + eps) in ACC
     stride_x,
+    stride_r,
+    stride_h,
     stride_y,
     M,
     N,
     eps,
+    seed,  # dropout: keep (row, col) where rand(seed, row * N + col) >= p, times scale
+    p,
+    scale,
     ROWS: tl.constexpr,  # rows per program
     BLOCK_N: tl.constexpr,  # power of two >= N: a whole row per tile
     IS_RMS: tl.constexpr,
     HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
+    ADD: tl.constexpr,  # fused residual add (+ dropout): normalize h instead of x
+    HAS_R: tl.constexpr,
+    DROPOUT: tl.constexpr,
     ACC: tl.constexpr,  # math dtype: fp32, fp64 for fp64 inputs
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -61,15 +76,24 @@ def _fwd_fused_kernel(
     mask = row_mask[:, None] & col_mask[None, :]
     rows64 = rows.to(tl.int64)
     x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(ACC)
+    if ADD:
+        h = residual_in(x, R + rows64[:, None] * stride_r + cols[None, :], mask, seed,
+                        rows64[:, None] * N + cols[None, :], p, scale, HAS_R, DROPOUT)  # fmt: skip
+        h = h.to(H.dtype.element_ty)
+        tl.store(H + rows64[:, None] * stride_h + cols[None, :], h, mask=mask)
+        x = h.to(ACC)  # normalize h as stored, so the backward (which reads h) sees the same row
     if IS_RMS:
         xc = x
     else:
-        # Statistics of x - x[row, 0]: exact differences, so the mean (and y) stay accurate for
-        # rows whose mean dwarfs their spread (x = 1e4 + randn).
-        shift = tl.load(X + rows64 * stride_x, mask=row_mask, other=0.0).to(ACC)[:, None]
-        xs = tl.where(mask, x - shift, 0.0)
+        # Statistics of x - shift with shift = x[row, 0] (+ residual[row, 0]): exact differences,
+        # so the mean (and y) stay accurate for rows whose mean dwarfs their spread
+        # (x = 1e4 + randn). Any value near the row's values serves; dropout is ignored here.
+        shift = tl.load(X + rows64 * stride_x, mask=row_mask, other=0.0).to(ACC)
+        if ADD and HAS_R:
+            shift += tl.load(R + rows64 * stride_r, mask=row_mask, other=0.0).to(ACC)
+        xs = tl.where(mask, x - shift[:, None], 0.0)
         mean_s = tl.sum(xs, axis=1)[:, None] * _reciprocal(N, ACC)
-        tl.store(Mean + rows[:, None], shift + mean_s, mask=row_mask[:, None])
+        tl.store(Mean + rows[:, None], shift[:, None] + mean_s, mask=row_mask[:, None])
         xc = tl.where(mask, xs - mean_s, 0.0)
     # Two-pass variance over registers: no E[x^2] - E[x]^2 cancellation for large means.
     rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) * _reciprocal(N, ACC) + eps)
@@ -85,37 +109,52 @@ def _fwd_fused_kernel(
 @triton.jit
 def _fwd_looped_kernel(
     X,  # (M, N) input rows; row stride stride_x
+    R,  # (M, N) residual rows (read when ADD and HAS_R)
+    H,  # (M, N) out: h (written when ADD)
     Y,  # (M, N) output rows; row stride stride_y
     W,  # (N,) weight (unread unless HAS_W)
     B,  # (N,) bias (unread unless HAS_B)
     Mean,  # (M,) out (unwritten when IS_RMS)
     Rstd,  # (M,) out
     stride_x,
+    stride_r,
+    stride_h,
     stride_y,
     N,
     eps,
+    seed,
+    p,
+    scale,
     BLOCK_N: tl.constexpr,  # column tile; one program per row loops over cdiv(N, BLOCK_N) tiles
     IS_RMS: tl.constexpr,
     HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
+    ADD: tl.constexpr,
+    HAS_R: tl.constexpr,
+    DROPOUT: tl.constexpr,
     ACC: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    x_row = X + tl.cast(row, tl.int64) * stride_x
-    y_row = Y + tl.cast(row, tl.int64) * stride_y
+    row = tl.cast(tl.program_id(0), tl.int64)
     cols = tl.arange(0, BLOCK_N)
-    # Sweep 1: statistics. LayerNorm merges per-tile (mean, M2) pairs of x - x[row, 0] with
-    # Chan's formula (exact differences; accurate for large means); RMSNorm sums squares.
+    # Sweep 1: statistics. LayerNorm merges per-tile (mean, M2) pairs of x - shift with Chan's
+    # formula (exact differences; accurate for large means); RMSNorm sums squares.
     if IS_RMS:
         shift = 0.0
     else:
-        shift = tl.load(x_row).to(ACC)
+        shift = tl.load(X + row * stride_x).to(ACC)
+        if ADD and HAS_R:
+            shift += tl.load(R + row * stride_r).to(ACC)
     mean = tl.zeros((), ACC)
     m2 = tl.zeros((), ACC)
     for start in range(0, N, BLOCK_N):
         offs = start + cols
         mask = offs < N
-        x = tl.load(x_row + offs, mask=mask, other=0.0).to(ACC)
+        x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(ACC)
+        if ADD:
+            h = residual_in(x, R + row * stride_r + offs, mask, seed, row * N + offs, p, scale,
+                            HAS_R, DROPOUT).to(H.dtype.element_ty)  # fmt: skip
+            tl.store(H + row * stride_h + offs, h, mask=mask)
+            x = h.to(ACC)
         if IS_RMS:
             m2 += tl.sum(x * x, axis=0)
         else:
@@ -126,24 +165,29 @@ def _fwd_looped_kernel(
     tl.store(Rstd + row, rstd)
     if not IS_RMS:
         tl.store(Mean + row, shift + mean)
-    # Sweep 2: normalize.
+    # Sweep 2: normalize. h is recomputed (bitwise the same) rather than read back from H.
     for start in range(0, N, BLOCK_N):
         offs = start + cols
         mask = offs < N
-        x = tl.load(x_row + offs, mask=mask, other=0.0).to(ACC)
+        x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(ACC)
+        if ADD:
+            x = residual_in(x, R + row * stride_r + offs, mask, seed, row * N + offs, p, scale,
+                            HAS_R, DROPOUT).to(H.dtype.element_ty).to(ACC)  # fmt: skip
         y = normalize(x - shift, mean, rstd, mask, IS_RMS)
         if HAS_W:
             y = y * tl.load(W + offs, mask=mask, other=0.0).to(ACC)
         if HAS_B:
             y = y + tl.load(B + offs, mask=mask, other=0.0).to(ACC)
-        tl.store(y_row + offs, y.to(Y.dtype.element_ty), mask=mask)
+        tl.store(Y + row * stride_y + offs, y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _bwd_fused_kernel(
-    X,  # (M, N) forward input rows; row stride stride_x
+    X,  # (M, N) forward input rows (h for the add-norm); row stride stride_x
     DY,  # (M, N) output gradient rows; row stride stride_dy
-    DX,  # (M, N) out: input gradient rows; row stride stride_dx
+    DH,  # (M, N) incoming gradient of h (read when HAS_DH); row stride stride_dh
+    DX,  # (M, N) out: gradient of the forward's x, in x's dtype; row stride stride_dx
+    DRES,  # (M, N) out: gradient of the residual (written when HAS_DRES); row stride stride_dres
     W,  # (N,) weight (unread unless HAS_W)
     Mean,  # (M,) forward row means (unread when IS_RMS)
     Rstd,  # (M,) forward 1 / sqrt(var + eps)
@@ -151,14 +195,22 @@ def _bwd_fused_kernel(
     DB_part,  # (G, N) out, ACC: row g = program g's sum of dy (written when HAS_DB)
     stride_x,
     stride_dy,
+    stride_dh,
     stride_dx,
+    stride_dres,
     M,
     N,
+    seed,  # dropout, as in the forward
+    p,
+    scale,
     ROWS: tl.constexpr,  # rows per tile
     BLOCK_N: tl.constexpr,  # power of two >= N
     IS_RMS: tl.constexpr,
     HAS_W: tl.constexpr,
     HAS_DB: tl.constexpr,
+    HAS_DH: tl.constexpr,
+    HAS_DRES: tl.constexpr,
+    DROPOUT: tl.constexpr,
     ACC: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -175,9 +227,9 @@ def _bwd_fused_kernel(
         rows = tile * ROWS + tl.arange(0, ROWS)
         row_mask = rows < M
         mask = row_mask[:, None] & col_mask[None, :]
-        rows64 = rows.to(tl.int64)
-        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(ACC)
-        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(ACC)
+        r64 = rows.to(tl.int64)[:, None]
+        x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(ACC)
+        dy = tl.load(DY + r64 * stride_dy + cols[None, :], mask=mask, other=0.0).to(ACC)
         rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)[:, None]
         if IS_RMS:
             mean = 0.0
@@ -194,7 +246,11 @@ def _bwd_fused_kernel(
         else:
             c2 = tl.sum(wdy, axis=1)[:, None] * inv_n
             dx = (wdy - (xhat * c1 + c2)) * rstd
-        tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        at = r64 * N + cols[None, :]  # element index: the dropout offset
+        dx = residual_grad(dx, DH + r64 * stride_dh + cols[None, :],
+                           DRES + r64 * stride_dres + cols[None, :],
+                           mask, seed, at, p, scale, HAS_DH, HAS_DRES, DROPOUT)  # fmt: skip
+        tl.store(DX + r64 * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         if HAS_W:
             dw += tl.sum(dy * xhat, axis=0)
         if HAS_DB:
@@ -250,9 +306,11 @@ def _bwd_row_terms_kernel(
 
 @triton.jit
 def _bwd_looped_kernel(
-    X,  # (M, N) forward input rows; row stride stride_x
+    X,  # (M, N) forward input rows (h for the add-norm); row stride stride_x
     DY,  # (M, N) output gradient rows; row stride stride_dy
-    DX,  # (M, N) out: input gradient rows; row stride stride_dx
+    DH,  # (M, N) incoming gradient of h (read when HAS_DH)
+    DX,  # (M, N) out: gradient of the forward's x, in x's dtype
+    DRES,  # (M, N) out: gradient of the residual (written when HAS_DRES)
     W,  # (N,) weight (unread unless HAS_W)
     Mean,  # (M,) forward row means (unread when IS_RMS)
     Rstd,  # (M,)
@@ -262,14 +320,22 @@ def _bwd_looped_kernel(
     DB_part,  # (G, N) out, ACC: row g = chunk g's sum of dy (written when HAS_DB)
     stride_x,
     stride_dy,
+    stride_dh,
     stride_dx,
+    stride_dres,
     M,
     N,
     rows_per_chunk,  # grid axis 0 = G row chunks of this many rows
+    seed,
+    p,
+    scale,
     BLOCK_N: tl.constexpr,  # grid axis 1 = column tiles of BLOCK_N
     IS_RMS: tl.constexpr,
     HAS_W: tl.constexpr,
     HAS_DB: tl.constexpr,
+    HAS_DH: tl.constexpr,
+    HAS_DRES: tl.constexpr,
+    DROPOUT: tl.constexpr,
     ACC: tl.constexpr,
 ):
     chunk = tl.program_id(0)
@@ -281,9 +347,9 @@ def _bwd_looped_kernel(
     db = tl.zeros([BLOCK_N], ACC)
     row_start = chunk * rows_per_chunk
     for row in range(row_start, tl.minimum(row_start + rows_per_chunk, M)):
-        row64 = tl.cast(row, tl.int64)
-        x = tl.load(X + row64 * stride_x + cols, mask=mask, other=0.0).to(ACC)
-        dy = tl.load(DY + row64 * stride_dy + cols, mask=mask, other=0.0).to(ACC)
+        r64 = tl.cast(row, tl.int64)
+        x = tl.load(X + r64 * stride_x + cols, mask=mask, other=0.0).to(ACC)
+        dy = tl.load(DY + r64 * stride_dy + cols, mask=mask, other=0.0).to(ACC)
         rstd = tl.load(Rstd + row)
         if IS_RMS:
             mean = 0.0
@@ -298,7 +364,9 @@ def _bwd_looped_kernel(
             dx = (wdy - xhat * tl.load(C1 + row)) * rstd
         else:
             dx = (wdy - (xhat * tl.load(C1 + row) + tl.load(C2 + row))) * rstd
-        tl.store(DX + row64 * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
+        dx = residual_grad(dx, DH + r64 * stride_dh + cols, DRES + r64 * stride_dres + cols, mask,
+                           seed, r64 * N + cols, p, scale, HAS_DH, HAS_DRES, DROPOUT)  # fmt: skip
+        tl.store(DX + r64 * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
         if HAS_W:
             dw += dy * xhat
         if HAS_DB:
@@ -310,52 +378,70 @@ def _bwd_looped_kernel(
         tl.store(DB_part + part, db, mask=mask)
 
 
-def _forward(x, weight, bias, eps, is_rms):
+def _dropout_args(dropout_p, seed):
+    """(seed, p, scale) kernel arguments; dropout is compiled out when p == 0."""
+    return (seed, dropout_p, 1.0 / (1.0 - dropout_p)) if dropout_p > 0 else (0, 0.0, 1.0)
+
+
+def _forward(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtype=None, dropout_p=0.0,
+             seed=0):  # fmt: skip
+    """-> (y, h or None, mean, rstd); h = dropout(x) + residual is formed and normalized if add."""
     M, N = x.shape
     cfg = config.forward(M, N, x.dtype, x.device)
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    h = torch.empty((M, N), dtype=h_dtype, device=x.device) if add else None
     rstd = torch.empty(M, dtype=config.acc_dtype(x.dtype), device=x.device)
     mean = rstd if is_rms else torch.empty_like(rstd)
+    r = residual if residual is not None else x
+    hh = h if add else y
     flags = dict(
-        IS_RMS=is_rms,
-        HAS_W=weight is not None,
-        HAS_B=bias is not None,
-        ACC=config.tl_acc_dtype(x.dtype),
-        num_warps=cfg.num_warps,
-    )
-    w = weight if weight is not None else x
-    b = bias if bias is not None else x
+        IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=bias is not None, ADD=add,
+        HAS_R=residual is not None, DROPOUT=add and dropout_p > 0,
+        ACC=config.tl_acc_dtype(x.dtype), num_warps=cfg.num_warps,
+    )  # fmt: skip
+    args = (
+        x, r, hh, y, weight if weight is not None else x, bias if bias is not None else x, mean, rstd,
+        x.stride(0), r.stride(0), hh.stride(0), y.stride(0),
+    )  # fmt: skip
+    drop = _dropout_args(dropout_p, seed)
     if cfg.fused:
-        _fwd_fused_kernel[cfg.grid](
-            x, y, w, b, mean, rstd, x.stride(0), y.stride(0), M, N, eps,
-            ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size, **flags,
-        )  # fmt: skip
+        _fwd_fused_kernel[cfg.grid](*args, M, N, eps, *drop, ROWS=cfg.rows_per_program,
+                                    BLOCK_N=cfg.block_size, **flags)  # fmt: skip
     else:
-        _fwd_looped_kernel[cfg.grid](
-            x, y, w, b, mean, rstd, x.stride(0), y.stride(0), N, eps,
-            BLOCK_N=cfg.block_size, **flags,
-        )  # fmt: skip
-    return y, mean, rstd
+        _fwd_looped_kernel[cfg.grid](*args, N, eps, *drop, BLOCK_N=cfg.block_size, **flags)
+    return y, h, mean, rstd
 
 
-def _backward(dy, x, weight, mean, rstd, bias_dtype, is_rms):
+def _backward(dy, x, weight, mean, rstd, bias_dtype, is_rms, dh=None, x_dtype=None,
+              residual_dtype=None, dropout_p=0.0, seed=0):  # fmt: skip
+    """-> (dx, dresidual or None, dweight or None, dbias or None).
+
+    ``x`` is the normalized tensor (h for the add-norm). dx is returned in ``x_dtype`` (default
+    x.dtype); for the add-norm, h's incoming gradient ``dh`` is added first and dx goes through the
+    dropout mask, and dresidual (in ``residual_dtype``) is written when there was a residual.
+    """
     M, N = x.shape
     cfg = config.backward(M, N, x.dtype, x.device, is_rms)
     acc = config.acc_dtype(x.dtype)
-    dx = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    dx = torch.empty((M, N), dtype=x_dtype or x.dtype, device=x.device)
+    dres = torch.empty((M, N), dtype=residual_dtype, device=x.device) if residual_dtype else None
     has_w, has_db = weight is not None, bias_dtype is not None
     parts = cfg.grid[0]
     dw_part = torch.empty((parts, N), dtype=acc, device=x.device) if has_w else rstd
     db_part = torch.empty((parts, N), dtype=acc, device=x.device) if has_db else rstd
     w = weight if has_w else x
+    dh_ = dh if dh is not None else dy
+    dres_ = dres if dres is not None else dx
     flags = dict(
-        IS_RMS=is_rms, HAS_W=has_w, ACC=config.tl_acc_dtype(x.dtype), num_warps=cfg.num_warps
-    )
-    strides = (x.stride(0), dy.stride(0), dx.stride(0))
+        IS_RMS=is_rms, HAS_W=has_w, HAS_DB=has_db, HAS_DH=dh is not None, HAS_DRES=dres is not None,
+        DROPOUT=dropout_p > 0, ACC=config.tl_acc_dtype(x.dtype), num_warps=cfg.num_warps,
+    )  # fmt: skip
+    strides = (x.stride(0), dy.stride(0), dh_.stride(0), dx.stride(0), dres_.stride(0))
+    drop = _dropout_args(dropout_p, seed)
     if cfg.fused:
         _bwd_fused_kernel[cfg.grid](
-            x, dy, dx, w, mean, rstd, dw_part, db_part, *strides, M, N,
-            ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size, HAS_DB=has_db, **flags,
+            x, dy, dh_, dx, dres_, w, mean, rstd, dw_part, db_part, *strides, M, N, *drop,
+            ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size, **flags,
         )  # fmt: skip
     else:
         c1 = torch.empty(M, dtype=acc, device=x.device)
@@ -367,31 +453,58 @@ def _backward(dy, x, weight, mean, rstd, bias_dtype, is_rms):
             ACC=config.tl_acc_dtype(x.dtype), num_warps=sweep.num_warps,
         )  # fmt: skip
         _bwd_looped_kernel[cfg.grid](
-            x, dy, dx, w, mean, rstd, c1, c2, dw_part, db_part, *strides, M, N,
-            cfg.rows_per_program, BLOCK_N=cfg.block_size, HAS_DB=has_db, **flags,
+            x, dy, dh_, dx, dres_, w, mean, rstd, c1, c2, dw_part, db_part, *strides, M, N,
+            cfg.rows_per_program, *drop, BLOCK_N=cfg.block_size, **flags,
         )  # fmt: skip
     dweight = sum_partials(dw_part, weight.dtype) if has_w else None
     dbias = sum_partials(db_part, bias_dtype) if has_db else None
-    return dx, dweight, dbias
+    return dx, dres, dweight, dbias
 
 
 def layer_norm_fwd(x, weight, bias, eps):
     """x: (M, N) rows -> (y, mean, rstd); see docs/design.md for the contract."""
-    return _forward(x, weight, bias, eps, is_rms=False)
+    y, _, mean, rstd = _forward(x, weight, bias, eps, is_rms=False)
+    return y, mean, rstd
 
 
 def layer_norm_bwd(dy, x, weight, mean, rstd, bias_dtype):
     """-> (dx, dweight, dbias), None where the forward had no weight / bias."""
-    return _backward(dy, x, weight, mean, rstd, bias_dtype, is_rms=False)
+    dx, _, dweight, dbias = _backward(dy, x, weight, mean, rstd, bias_dtype, is_rms=False)
+    return dx, dweight, dbias
 
 
 def rms_norm_fwd(x, weight, eps):
     """x: (M, N) rows -> (y, rstd)."""
-    y, _, rstd = _forward(x, weight, None, eps, is_rms=True)
+    y, _, _, rstd = _forward(x, weight, None, eps, is_rms=True)
     return y, rstd
 
 
 def rms_norm_bwd(dy, x, weight, rstd):
     """-> (dx, dweight), dweight None when the forward had no weight."""
-    dx, dweight, _ = _backward(dy, x, weight, rstd, rstd, None, is_rms=True)
+    dx, _, dweight, _ = _backward(dy, x, weight, rstd, rstd, None, is_rms=True)
     return dx, dweight
+
+
+def add_layer_norm_fwd(x, residual, weight, bias, eps, dropout_p, seed, h_dtype):
+    """h = dropout(x) + residual (residual may be None) in h_dtype; -> (y, h, mean, rstd)."""
+    return _forward(x, weight, bias, eps, False, True, residual, h_dtype, dropout_p, seed)
+
+
+def add_layer_norm_bwd(dy, dh, h, weight, mean, rstd, bias_dtype, dropout_p, seed, x_dtype,
+                       residual_dtype):  # fmt: skip
+    """-> (dx, dresidual, dweight, dbias); dh (h's own incoming gradient) may be None."""
+    return _backward(dy, h, weight, mean, rstd, bias_dtype, False, dh, x_dtype, residual_dtype,
+                     dropout_p, seed)  # fmt: skip
+
+
+def add_rms_norm_fwd(x, residual, weight, eps, dropout_p, seed, h_dtype):
+    """-> (y, h, rstd)."""
+    y, h, _, rstd = _forward(x, weight, None, eps, True, True, residual, h_dtype, dropout_p, seed)
+    return y, h, rstd
+
+
+def add_rms_norm_bwd(dy, dh, h, weight, rstd, dropout_p, seed, x_dtype, residual_dtype):
+    """-> (dx, dresidual, dweight)."""
+    dx, dres, dweight, _ = _backward(dy, h, weight, rstd, rstd, None, True, dh, x_dtype,
+                                     residual_dtype, dropout_p, seed)  # fmt: skip
+    return dx, dres, dweight

@@ -9,6 +9,10 @@ tensors with upstream Triton, which is how they are tested without Ascend hardwa
 import torch
 
 from normkit.backends.npu.layer_norm import (
+    add_layer_norm_bwd,
+    add_layer_norm_fwd,
+    add_rms_norm_bwd,
+    add_rms_norm_fwd,
     layer_norm_bwd,
     layer_norm_fwd,
     rms_norm_bwd,
@@ -28,4 +32,8 @@ __all__ = [
     "rms_norm_bwd",
     "softmax_fwd",
     "softmax_bwd",
+    "add_layer_norm_fwd",
+    "add_layer_norm_bwd",
+    "add_rms_norm_fwd",
+    "add_rms_norm_bwd",
 ]

@@ -8,6 +8,10 @@ int64 row offsets. RMSNorm shares the kernels through the ``IS_RMS`` constexpr.
 Backward: a row sweep computes the two dx reduction terms per row, then programs take
 (row chunk, column tile) work items, write dx and one fp32 dweight/dbias partial row per chunk;
 ``_sum_partials_kernel`` adds the partial rows in chunk order (deterministic, no atomics).
+
+The fused residual path (add-norm) runs the same kernels with ``ADD`` on, as on CUDA: h =
+dropout(x) + residual is formed, stored and normalized; the backward adds h's incoming gradient,
+stores the residual's gradient and regenerates the dropout mask from the seed.
 """
 
 from __future__ import annotations
@@ -16,46 +20,64 @@ import torch
 import triton
 import triton.language as tl
 
-from normkit.backends.common import chan_merge, normalize
+from normkit.backends.common import chan_merge, normalize, residual_grad, residual_in
 from normkit.backends.npu import config
 
 
 @triton.jit
 def _fwd_kernel(
     X,  # (M, N) input rows; row stride stride_x, unit column stride
+    R,  # (M, N) residual rows (read when ADD and HAS_R)
+    H,  # (M, N) out: h = dropout(x) + residual, residual dtype (written when ADD)
     Y,  # (M, N) output rows; row stride stride_y
     W,  # (N,) weight (unread unless HAS_W)
     B,  # (N,) bias (unread unless HAS_B)
     Mean,  # (M,) out, fp32 (unwritten when IS_RMS)
     Rstd,  # (M,) out, fp32: 1 / sqrt(var + eps)
     stride_x,
+    stride_r,
+    stride_h,
     stride_y,
     M,
     N,
     inv_n,  # 1 / N from the host: exact where N is a power of two (N = 1 must give dx = 0)
     eps,
+    seed,  # dropout: keep (row, col) where rand(seed, row * N + col) >= p, times scale
+    p,
+    scale,
     BLOCK_SIZE: tl.constexpr,  # column tile (1024)
     IS_RMS: tl.constexpr,
     HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
+    ADD: tl.constexpr,  # fused residual add (+ dropout): normalize h instead of x
+    HAS_R: tl.constexpr,
+    DROPOUT: tl.constexpr,
 ):
-    # UB: x, w, b tiles live in sweep 2 -> 3 x 1024 x 4 B = 12 KB (budget 96 KB).
+    # UB: x, residual, w, b tiles live in sweep 2 -> 4 x 1024 x 4 B = 16 KB (budget 96 KB).
     cols = tl.arange(0, BLOCK_SIZE)
     for row in range(tl.program_id(0), M, tl.num_programs(0)):
-        x_row = X + tl.cast(row, tl.int64) * stride_x
-        y_row = Y + tl.cast(row, tl.int64) * stride_y
-        # Statistics of x - x[row, 0] (exact differences: accurate for large means), merged
-        # tile by tile with Chan's formula; RMSNorm sums squares.
+        row64 = tl.cast(row, tl.int64)
+        x_row = X + row64 * stride_x
+        y_row = Y + row64 * stride_y
+        # Statistics of x - shift, shift = x[row, 0] (+ residual[row, 0]): exact differences,
+        # accurate for large means; merged tile by tile with Chan's formula. RMSNorm sums squares.
         if IS_RMS:
             shift = 0.0
         else:
             shift = tl.load(x_row).to(tl.float32)
+            if ADD and HAS_R:
+                shift += tl.load(R + row64 * stride_r).to(tl.float32)
         mean = 0.0
         m2 = 0.0
         for start in range(0, N, BLOCK_SIZE):
             offs = start + cols
             mask = offs < N
             x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+            if ADD:
+                h = residual_in(x, R + row64 * stride_r + offs, mask, seed, row64 * N + offs, p,
+                                scale, HAS_R, DROPOUT).to(H.dtype.element_ty)  # fmt: skip
+                tl.store(H + row64 * stride_h + offs, h, mask=mask)
+                x = h.to(tl.float32)
             if IS_RMS:
                 m2 += tl.sum(x * x, axis=0)
             else:
@@ -66,10 +88,14 @@ def _fwd_kernel(
         tl.store(Rstd + row, rstd)
         if not IS_RMS:
             tl.store(Mean + row, shift + mean)
+        # Sweep 2: h is recomputed (bitwise the same) rather than read back from H.
         for start in range(0, N, BLOCK_SIZE):
             offs = start + cols
             mask = offs < N
             x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+            if ADD:
+                x = residual_in(x, R + row64 * stride_r + offs, mask, seed, row64 * N + offs, p,
+                                scale, HAS_R, DROPOUT).to(H.dtype.element_ty).to(tl.float32)  # fmt: skip
             y = normalize(x - shift, mean, rstd, mask, IS_RMS)
             if HAS_W:
                 y = y * tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
@@ -124,9 +150,11 @@ def _bwd_row_terms_kernel(
 
 @triton.jit
 def _bwd_dx_kernel(
-    X,  # (M, N) forward input rows; row stride stride_x
+    X,  # (M, N) forward input rows (h for the add-norm); row stride stride_x
     DY,  # (M, N) output gradient rows; row stride stride_dy
-    DX,  # (M, N) out: input gradient rows; row stride stride_dx
+    DH,  # (M, N) incoming gradient of h (read when HAS_DH)
+    DX,  # (M, N) out: gradient of the forward's x, in x's dtype
+    DRES,  # (M, N) out: gradient of the residual (written when HAS_DRES)
     W,  # (N,) weight (unread unless HAS_W)
     Mean,  # (M,) forward row means (unread when IS_RMS)
     Rstd,  # (M,)
@@ -136,17 +164,25 @@ def _bwd_dx_kernel(
     DB_part,  # (chunks, N) out, fp32: row c = chunk c's sum of dy (written when HAS_DB)
     stride_x,
     stride_dy,
+    stride_dh,
     stride_dx,
+    stride_dres,
     M,
     N,
     rows_per_chunk,
     num_items,  # chunks x column tiles; item i = (chunk i // tiles, column tile i % tiles)
+    seed,  # dropout, as in the forward
+    p,
+    scale,
     BLOCK_SIZE: tl.constexpr,
     IS_RMS: tl.constexpr,
     HAS_W: tl.constexpr,
     HAS_DB: tl.constexpr,
+    HAS_DH: tl.constexpr,
+    HAS_DRES: tl.constexpr,
+    DROPOUT: tl.constexpr,
 ):
-    # UB: x, dy, w, dx, dw, db tiles -> 6 x 4 KB = 24 KB.
+    # UB: x, dy, w, dx, dh, dw, db tiles -> 7 x 4 KB = 28 KB.
     tiles = tl.cdiv(N, BLOCK_SIZE)
     for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
         chunk = item // tiles
@@ -175,6 +211,8 @@ def _bwd_dx_kernel(
                 dx = (wdy - xhat * tl.load(C1 + row)) * rstd
             else:
                 dx = (wdy - (xhat * tl.load(C1 + row) + tl.load(C2 + row))) * rstd
+            dx = residual_grad(dx, DH + row64 * stride_dh + cols, DRES + row64 * stride_dres + cols,
+                               mask, seed, row64 * N + cols, p, scale, HAS_DH, HAS_DRES, DROPOUT)  # fmt: skip
             tl.store(DX + row64 * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
             if HAS_W:
                 dw += dy * xhat
@@ -213,21 +251,35 @@ def _sum_partials(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def _forward(x, weight, bias, eps, is_rms):
+def _dropout_args(dropout_p, seed):
+    """(seed, p, scale) kernel arguments; dropout is compiled out when p == 0."""
+    return (seed, dropout_p, 1.0 / (1.0 - dropout_p)) if dropout_p > 0 else (0, 0.0, 1.0)
+
+
+def _forward(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtype=None, dropout_p=0.0,
+             seed=0):  # fmt: skip
+    """-> (y, h or None, mean, rstd); h = dropout(x) + residual is formed and normalized if add."""
     M, N = x.shape
     cfg = config.rows(M, x.device)
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    h = torch.empty((M, N), dtype=h_dtype, device=x.device) if add else None
     rstd = torch.empty(M, dtype=torch.float32, device=x.device)
     mean = rstd if is_rms else torch.empty_like(rstd)
+    r = residual if residual is not None else x
+    hh = h if add else y
     _fwd_kernel[cfg.grid](
-        x, y, weight if weight is not None else x, bias if bias is not None else x, mean, rstd,
-        x.stride(0), y.stride(0), M, N, 1.0 / N, eps,
+        x, r, hh, y, weight if weight is not None else x, bias if bias is not None else x, mean, rstd,
+        x.stride(0), r.stride(0), hh.stride(0), y.stride(0), M, N, 1.0 / N, eps,
+        *_dropout_args(dropout_p, seed),
         BLOCK_SIZE=cfg.block_size, IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=bias is not None,
+        ADD=add, HAS_R=residual is not None, DROPOUT=add and dropout_p > 0,
     )  # fmt: skip
-    return y, mean, rstd
+    return y, h, mean, rstd
 
 
-def _backward(dy, x, weight, mean, rstd, bias_dtype, is_rms):
+def _backward(dy, x, weight, mean, rstd, bias_dtype, is_rms, dh=None, x_dtype=None,
+              residual_dtype=None, dropout_p=0.0, seed=0):  # fmt: skip
+    """-> (dx, dresidual or None, dweight or None, dbias or None); see the CUDA twin."""
     M, N = x.shape
     has_w, has_db = weight is not None, bias_dtype is not None
     w = weight if has_w else x
@@ -239,37 +291,68 @@ def _backward(dy, x, weight, mean, rstd, bias_dtype, is_rms):
         BLOCK_SIZE=sweep.block_size, IS_RMS=is_rms, HAS_W=has_w,
     )  # fmt: skip
     cfg, chunks = config.row_chunks(M, N, x.device)
-    dx = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    dx = torch.empty((M, N), dtype=x_dtype or x.dtype, device=x.device)
+    dres = torch.empty((M, N), dtype=residual_dtype, device=x.device) if residual_dtype else None
     dw_part = torch.empty((chunks, N), dtype=torch.float32, device=x.device) if has_w else c1
     db_part = torch.empty((chunks, N), dtype=torch.float32, device=x.device) if has_db else c1
+    dh_ = dh if dh is not None else dy
+    dres_ = dres if dres is not None else dx
     _bwd_dx_kernel[cfg.grid](
-        x, dy, dx, w, mean, rstd, c1, c2, dw_part, db_part,
-        x.stride(0), dy.stride(0), dx.stride(0), M, N,
-        cfg.rows_per_chunk, chunks * triton.cdiv(N, cfg.block_size),
+        x, dy, dh_, dx, dres_, w, mean, rstd, c1, c2, dw_part, db_part,
+        x.stride(0), dy.stride(0), dh_.stride(0), dx.stride(0), dres_.stride(0), M, N,
+        cfg.rows_per_chunk, chunks * triton.cdiv(N, cfg.block_size), *_dropout_args(dropout_p, seed),
         BLOCK_SIZE=cfg.block_size, IS_RMS=is_rms, HAS_W=has_w, HAS_DB=has_db,
+        HAS_DH=dh is not None, HAS_DRES=dres is not None, DROPOUT=dropout_p > 0,
     )  # fmt: skip
     dweight = _sum_partials(dw_part, weight.dtype) if has_w else None
     dbias = _sum_partials(db_part, bias_dtype) if has_db else None
-    return dx, dweight, dbias
+    return dx, dres, dweight, dbias
 
 
 def layer_norm_fwd(x, weight, bias, eps):
     """x: (M, N) rows -> (y, mean, rstd); see docs/design.md for the contract."""
-    return _forward(x, weight, bias, eps, is_rms=False)
+    y, _, mean, rstd = _forward(x, weight, bias, eps, is_rms=False)
+    return y, mean, rstd
 
 
 def layer_norm_bwd(dy, x, weight, mean, rstd, bias_dtype):
     """-> (dx, dweight, dbias), None where the forward had no weight / bias."""
-    return _backward(dy, x, weight, mean, rstd, bias_dtype, is_rms=False)
+    dx, _, dweight, dbias = _backward(dy, x, weight, mean, rstd, bias_dtype, is_rms=False)
+    return dx, dweight, dbias
 
 
 def rms_norm_fwd(x, weight, eps):
     """x: (M, N) rows -> (y, rstd)."""
-    y, _, rstd = _forward(x, weight, None, eps, is_rms=True)
+    y, _, _, rstd = _forward(x, weight, None, eps, is_rms=True)
     return y, rstd
 
 
 def rms_norm_bwd(dy, x, weight, rstd):
     """-> (dx, dweight), dweight None when the forward had no weight."""
-    dx, dweight, _ = _backward(dy, x, weight, rstd, rstd, None, is_rms=True)
+    dx, _, dweight, _ = _backward(dy, x, weight, rstd, rstd, None, is_rms=True)
     return dx, dweight
+
+
+def add_layer_norm_fwd(x, residual, weight, bias, eps, dropout_p, seed, h_dtype):
+    """h = dropout(x) + residual (residual may be None) in h_dtype; -> (y, h, mean, rstd)."""
+    return _forward(x, weight, bias, eps, False, True, residual, h_dtype, dropout_p, seed)
+
+
+def add_layer_norm_bwd(dy, dh, h, weight, mean, rstd, bias_dtype, dropout_p, seed, x_dtype,
+                       residual_dtype):  # fmt: skip
+    """-> (dx, dresidual, dweight, dbias); dh (h's own incoming gradient) may be None."""
+    return _backward(dy, h, weight, mean, rstd, bias_dtype, False, dh, x_dtype, residual_dtype,
+                     dropout_p, seed)  # fmt: skip
+
+
+def add_rms_norm_fwd(x, residual, weight, eps, dropout_p, seed, h_dtype):
+    """-> (y, h, rstd)."""
+    y, h, _, rstd = _forward(x, weight, None, eps, True, True, residual, h_dtype, dropout_p, seed)
+    return y, h, rstd
+
+
+def add_rms_norm_bwd(dy, dh, h, weight, rstd, dropout_p, seed, x_dtype, residual_dtype):
+    """-> (dx, dresidual, dweight)."""
+    dx, dres, dweight, _ = _backward(dy, h, weight, rstd, rstd, None, True, dh, x_dtype,
+                                     residual_dtype, dropout_p, seed)  # fmt: skip
+    return dx, dres, dweight

@@ -1,0 +1,132 @@
+"""Fused residual add + dropout + LayerNorm/RMSNorm on every backend vs fp64 autograd."""
+
+import zlib
+
+import pytest
+import torch
+from conftest import DEVICE, INTERPRETER, executor_params
+
+import normkit
+from normkit.testing import ADD_OPS, add_norm_public, check_add_norm_case, dropout_keep_mask
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+DEVICE_SHAPES = [(1, 1), (3, 7), (128, 1023), (1151, 1024), (1, 4096), (128, 4096), (3, 40999)]
+INTERPRETER_SHAPES = [(1, 1), (3, 7), (130, 1023), (2, 4096), (2, 40999)]
+
+
+def _seed(*parts):
+    return zlib.crc32(repr(parts).encode())
+
+
+@pytest.mark.parametrize("op", ADD_OPS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("executor,shape", executor_params(
+    [(s,) for s in INTERPRETER_SHAPES], [(s,) for s in DEVICE_SHAPES]))  # fmt: skip
+def test_matches_reference(run_on, executor, shape, dtype, op):
+    """x + residual, prenorm=True with both y and h used downstream (h's gradient path too)."""
+    with run_on(executor, dtype):
+        check_add_norm_case(op, shape, dtype, executor.device, seed=_seed(shape, op))
+
+
+VARIANTS = {
+    "no-residual": dict(residual=False),
+    "fp32-residual-stream": dict(residual_dtype=torch.float32),
+    "no-affine": dict(weight=False, bias=False),
+}
+
+
+@pytest.mark.parametrize("op", ADD_OPS)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("executor,shape", executor_params(
+    [((3, 1025),), ((2, 40999),)], [((1151, 4096),), ((5, 40999),)]))  # fmt: skip
+def test_variants(run_on, executor, shape, variant, op):
+    with run_on(executor, torch.bfloat16):
+        check_add_norm_case(op, shape, torch.bfloat16, executor.device, **VARIANTS[variant])
+
+
+@pytest.mark.parametrize("op", ADD_OPS)
+@pytest.mark.parametrize("executor,shape,dtype", executor_params(
+    [((3, 1025), torch.float32), ((2, 40999), torch.bfloat16)],
+    [((1151, 4096), torch.bfloat16), ((5, 40999), torch.float32), ((64, 1024), torch.float16)]))  # fmt: skip
+def test_dropout_matches_autograd_through_explicit_mask(run_on, executor, shape, dtype, op):
+    """Forward and backward with dropout_p = 0.25 equal fp64 autograd through the kernel's mask."""
+    with run_on(executor, dtype):
+        check_add_norm_case(op, shape, dtype, executor.device, dropout_p=0.25, seed=_seed(shape, "drop"),
+                            residual_dtype=torch.float32)  # fmt: skip
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+@pytest.mark.parametrize("executor", INTERPRETER + [pytest.param(e, marks=m) for e, m in DEVICE] + [None],
+                         ids=lambda e: e.name if e else "reference")  # fmt: skip
+def test_dropout_keep_rate(run_on, executor, p):
+    """Over 10^6 elements the kept fraction is within 0.5% of 1 - p."""
+    if executor is None:
+        context, device = normkit.dispatch.use_backend("cpu", "normkit.reference"), "cpu"
+    else:
+        context, device = run_on(executor, torch.float32), executor.device
+    with context:
+        x = torch.randn(1000, 1000, device=device)
+        rate = dropout_keep_mask("add_layer_norm", x, p, seed=1234).float().mean().item()
+    assert abs(rate - (1 - p)) <= 0.005 * (1 - p), f"kept {rate:.5f}, expected {1 - p}"
+
+
+@pytest.mark.parametrize("op", ADD_OPS)
+@pytest.mark.parametrize("executor,shape", executor_params([((64, 1025),)], [((1024, 4096),)]))
+def test_seed_determines_the_mask(run_on, executor, shape, op):
+    """Same seed: bitwise-equal outputs and gradients; another seed: a different mask."""
+    with run_on(executor, torch.bfloat16):
+        g = torch.Generator().manual_seed(0)
+        x, r, dy = (torch.randn(shape, generator=g).to(torch.bfloat16).to(executor.device) for _ in range(3))
+        w = torch.ones(shape[-1], dtype=torch.bfloat16, device=executor.device)
+        runs = [add_norm_public(op, x, r, w, None, shape[-1:], dy, None, dropout_p=0.3, seed=s)
+                for s in (7, 7, 8)]  # fmt: skip
+        for key in ("y", "h", "dx", "dresidual", "dweight"):
+            assert torch.equal(runs[0][key], runs[1][key]), f"{key} differs for one seed"
+        assert not torch.equal(runs[0]["h"], runs[2]["h"]), "two seeds gave the same mask"
+
+
+def test_prenorm_false_returns_y_only_and_matches():
+    x, r = torch.randn(4, 16), torch.randn(4, 16)
+    y = normkit.add_layer_norm(x, r, 16, dropout_p=0.2, seed=3)
+    y2, h = normkit.add_layer_norm(x, r, 16, dropout_p=0.2, seed=3, prenorm=True)
+    assert isinstance(y, torch.Tensor) and torch.equal(y, y2)
+    assert h.shape == x.shape
+
+
+@pytest.mark.parametrize("op", ADD_OPS)
+def test_reference_gradcheck(op):
+    """The CPU reference path, with and without dropout, through fp64 gradcheck."""
+    g = torch.Generator().manual_seed(0)
+    x, r = (torch.randn(3, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    w = torch.randn(8, generator=g, dtype=torch.float64, requires_grad=True)
+    fn = getattr(normkit, op)
+    for p in (0.0, 0.3):
+        def f(x, r, w, p=p):
+            return fn(x, r, 8, w, dropout_p=p, seed=11, prenorm=True)
+
+        assert torch.autograd.gradcheck(f, (x, r, w))
+
+
+@pytest.mark.parametrize("op", ADD_OPS)
+@pytest.mark.parametrize(
+    "kwargs,error,words",
+    [
+        (dict(dropout_p=1.0), normkit.InvalidArgument, ["dropout_p", "1.0", "[0, 1)"]),
+        (dict(dropout_p=-0.1), normkit.InvalidArgument, ["dropout_p", "-0.1"]),
+        (dict(dropout_p="0.1"), normkit.InvalidArgument, ["dropout_p", "'0.1'"]),
+        (dict(seed=-1), normkit.InvalidArgument, ["seed", "-1"]),
+        (dict(residual=torch.randn(4, 7)), normkit.InvalidArgument, ["residual", "[4, 7]", "[4, 8]"]),
+        (dict(residual=torch.randn(4, 8, device="meta")), normkit.InvalidArgument, ["residual", "meta"]),
+        (dict(residual_dtype=torch.int32), normkit.InvalidDtype, ["residual_dtype", "int32"]),
+        (dict(x=torch.ones(4, 8, dtype=torch.long)), normkit.InvalidDtype, ["x", "int64"]),
+    ],
+    ids=["p-one", "p-negative", "p-type", "seed", "residual-shape", "residual-device",
+         "residual-dtype", "x-dtype"],  # fmt: skip
+)
+def test_errors_name_the_argument(op, kwargs, error, words):
+    args = dict(x=torch.randn(4, 8), residual=torch.randn(4, 8)) | kwargs
+    x, r = args.pop("x"), args.pop("residual")
+    with pytest.raises(error) as info:
+        getattr(normkit, op)(x, r, 8, **args)
+    for word in words:
+        assert word in str(info.value), f"{word!r} not in {info.value}"

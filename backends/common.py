@@ -9,6 +9,18 @@ import triton.language as tl
 
 
 @triton.jit
+def reciprocal(n, ACC: tl.constexpr):
+    """1 / n correctly rounded, for the CUDA kernels. Triton's fp32 `/` is approximate
+    (div.full.f32): sum / 1 could be off by an ulp, which rstd = 1 / sqrt(eps) then amplifies
+    (N = 1 gave dx != 0). The NPU kernels get 1 / n from the host instead (div_rn is not in the
+    subset triton-ascend is known to accept)."""
+    if ACC == tl.float64:
+        return 1.0 / tl.cast(n, tl.float64)
+    else:
+        return tl.math.div_rn(1.0, tl.cast(n, tl.float32))
+
+
+@triton.jit
 def normalize(x, mean, rstd, mask, IS_RMS: tl.constexpr):
     """Normalized x, zero where ``mask`` is off (so masked lanes add nothing to reductions)."""
     if IS_RMS:
@@ -74,3 +86,93 @@ def residual_grad(dh, dh_ptrs, dres_ptrs, mask, seed, offsets, p, scale,
     if DROPOUT:
         dh = tl.where(tl.rand(seed, offsets) >= p, dh * scale, 0.0)
     return dh
+
+
+# --- GroupNorm: one (sample, group) row of L = (C / G) * HW contiguous elements --------------------
+
+
+@triton.jit
+def group_norm_row_fwd(X, Y, W, B, Mean, Rstd, row, G, L, HW, Cg, inv_l, eps,
+                       BLOCK: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                       ACC: tl.constexpr):  # fmt: skip
+    """Normalize row ``row`` = (n, g) of a contiguous (N, C, HW) input; channel of element j is
+    g * Cg + j // HW. Statistics of x - x[row, 0] merged tile by tile (Chan). ``inv_l`` = 1 / L,
+    correctly rounded by the caller."""
+    base = tl.cast(row, tl.int64) * L
+    cols = tl.arange(0, BLOCK)
+    shift = tl.load(X + base).to(ACC)
+    mean = tl.zeros((), ACC)
+    m2 = tl.zeros((), ACC)
+    for start in range(0, L, BLOCK):
+        offs = start + cols
+        mask = offs < L
+        xs = tl.where(mask, tl.load(X + base + offs, mask=mask, other=0.0).to(ACC) - shift, 0.0)
+        count = tl.cast(tl.minimum(L - start, BLOCK), ACC)
+        mean, m2 = chan_merge(mean, m2, xs, mask, tl.cast(start, ACC), count)
+    rstd = 1.0 / tl.sqrt(m2 * inv_l + eps)
+    tl.store(Mean + row, shift + mean)
+    tl.store(Rstd + row, rstd)
+    c0 = (row % G) * Cg
+    for start in range(0, L, BLOCK):
+        offs = start + cols
+        mask = offs < L
+        y = (tl.load(X + base + offs, mask=mask, other=0.0).to(ACC) - shift - mean) * rstd
+        if HAS_W:
+            y = y * tl.load(W + c0 + offs // HW, mask=mask, other=0.0).to(ACC)
+        if HAS_B:
+            y = y + tl.load(B + c0 + offs // HW, mask=mask, other=0.0).to(ACC)
+        tl.store(Y + base + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def group_norm_row_bwd(X, DY, DX, W, Mean, Rstd, DW_part, DB_part, row, G, C, L, HW, Cg, inv_l,
+                       BLOCK: tl.constexpr, HAS_W: tl.constexpr, HAS_DB: tl.constexpr,
+                       ACC: tl.constexpr):  # fmt: skip
+    """Backward of one (n, g) row. Sweep 1 walks the row channel by channel: the per-channel sums
+    of dy * xhat and dy are the dweight / dbias partials of sample n (row n of the (N, C) partial
+    buffers), and weighted by w_c they add up to the row's two dx terms. Sweep 2 writes dx."""
+    base = tl.cast(row, tl.int64) * L
+    n = row // G
+    c0 = (row % G) * Cg
+    mean = tl.load(Mean + row)
+    rstd = tl.load(Rstd + row)
+    cols = tl.arange(0, BLOCK)
+    c1 = tl.zeros((), ACC)
+    c2 = tl.zeros((), ACC)
+    for cl in range(0, Cg):
+        sum_dyx = tl.zeros((), ACC)
+        sum_dy = tl.zeros((), ACC)
+        for start in range(0, HW, BLOCK):
+            offs = start + cols
+            mask = offs < HW
+            at = base + cl * HW + offs
+            x = tl.load(X + at, mask=mask, other=0.0).to(ACC)
+            dy = tl.load(DY + at, mask=mask, other=0.0).to(ACC)
+            sum_dyx += tl.sum(tl.where(mask, (x - mean) * rstd, 0.0) * dy, axis=0)
+            sum_dy += tl.sum(dy, axis=0)
+        part = tl.cast(n, tl.int64) * C + c0 + cl
+        if HAS_W:
+            tl.store(DW_part + part, sum_dyx)
+            w = tl.load(W + c0 + cl).to(ACC)
+            c1 += w * sum_dyx
+            c2 += w * sum_dy
+        else:
+            c1 += sum_dyx
+            c2 += sum_dy
+        if HAS_DB:
+            tl.store(DB_part + part, sum_dy)
+    c1 = c1 * inv_l
+    c2 = c2 * inv_l
+    for cl in range(0, Cg):
+        if HAS_W:
+            w = tl.load(W + c0 + cl).to(ACC)
+        else:
+            w = 1.0
+        for start in range(0, HW, BLOCK):
+            offs = start + cols
+            mask = offs < HW
+            at = base + cl * HW + offs
+            x = tl.load(X + at, mask=mask, other=0.0).to(ACC)
+            dy = tl.load(DY + at, mask=mask, other=0.0).to(ACC)
+            dx = (w * dy - ((x - mean) * rstd * c1 + c2)) * rstd
+            tl.store(DX + at, dx.to(DX.dtype.element_ty), mask=mask)

@@ -9,6 +9,8 @@ from normkit.errors import InvalidArgument, InvalidDtype
 from normkit.functional import (
     add_layer_norm,
     add_rms_norm,
+    group_norm,
+    instance_norm,
     layer_norm,
     log_softmax,
     rms_norm,
@@ -24,6 +26,8 @@ __all__ = [
     "log_softmax",
     "add_layer_norm",
     "add_rms_norm",
+    "group_norm",
+    "instance_norm",
     "backend_for",
     "backend_name_for",
     "InvalidArgument",

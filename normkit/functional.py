@@ -330,3 +330,102 @@ def add_rms_norm(x, residual, normalized_shape, weight=None, eps=None, dropout_p
         eps = torch.finfo(x.dtype).eps
     return _add_norm("add_rms_norm", x, residual, normalized_shape, weight, None, eps, dropout_p,
                      seed, residual_dtype, prenorm, is_rms=True)  # fmt: skip
+
+
+class _GroupNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, num_groups, eps, backend):
+        with _on(x.device):
+            y, mean, rstd = backend.group_norm_fwd(x, weight, bias, num_groups, eps)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.backend, ctx.num_groups = backend, num_groups
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.mark_non_differentiable(mean, rstd)
+        return y, mean, rstd
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy, _dmean, _drstd):
+        x, weight, mean, rstd = ctx.saved_tensors
+        with _on(x.device):
+            dx, dweight, dbias = ctx.backend.group_norm_bwd(
+                dy.contiguous(), x, weight, mean, rstd, ctx.num_groups, ctx.bias_dtype
+            )
+        return dx, dweight, dbias, None, None, None
+
+
+def _group_norm(op, input, num_groups, weight, bias, eps):
+    """-> (y, mean (N * G,), rstd (N * G,)) after validation; statistics are not differentiable."""
+    _check_tensor(op, "input", input, required=True)
+    if input.dim() < 2:
+        raise InvalidArgument(f"{op}: input must have shape (N, C, *), got {list(input.shape)}")
+    C = input.shape[1]
+    if isinstance(num_groups, bool) or not isinstance(num_groups, numbers.Integral) or num_groups <= 0:
+        raise InvalidArgument(f"{op}: num_groups must be a positive int, got {num_groups!r}")
+    if C % num_groups:
+        raise InvalidArgument(
+            f"{op}: num_groups {num_groups} does not divide the {C} channels of input with shape "
+            f"{list(input.shape)}; expected C % num_groups == 0"
+        )
+    for name, value in (("weight", weight), ("bias", bias)):
+        _check_param(op, name, value, (C,))
+    eps = _check_eps(op, eps)
+    backend = _backend(op, input, weight=weight, bias=bias)
+    x = input.reshape(input.shape[0], C, -1) if input.numel() else input.reshape(input.shape[0], C, 0)
+    x = x.contiguous()
+    if x.numel() == 0:
+        backend = reference
+    y, mean, rstd = _GroupNorm.apply(x, weight, bias, int(num_groups), eps, backend)
+    return y.view(input.shape), mean, rstd
+
+
+def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
+    """Same signature and semantics as :func:`torch.nn.functional.group_norm`: input (N, C, *),
+    statistics per (sample, group of C / num_groups channels), per-channel weight and bias."""
+    return _group_norm("group_norm", input, num_groups, weight, bias, eps)[0]
+
+
+def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=None,
+                  use_input_stats=True, momentum=0.1, eps=1e-5):  # fmt: skip
+    """Same signature and semantics as :func:`torch.nn.functional.instance_norm`.
+
+    With ``use_input_stats`` (the default) each (sample, channel) is normalized by its own
+    statistics: GroupNorm with C groups, on the GroupNorm kernels. Running statistics, when given,
+    are updated in place as torch does: running = (1 - momentum) * running + momentum * (the batch
+    mean of the per-instance mean / unbiased variance). Without ``use_input_stats`` the running
+    statistics normalize the input (a per-channel affine, computed with torch ops).
+    """
+    op = "instance_norm"
+    _check_tensor(op, "input", input, required=True)
+    for name, value in (("running_mean", running_mean), ("running_var", running_var)):
+        if value is not None:
+            _check_tensor(op, name, value, required=True)
+            if input.dim() >= 2 and tuple(value.shape) != (input.shape[1],):
+                raise InvalidArgument(f"{op}: {name} has shape {list(value.shape)}; expected "
+                                      f"[{input.shape[1]}] (one entry per channel)")  # fmt: skip
+    if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real):
+        raise TypeError(f"{op}: momentum must be a real number, got {momentum!r}")
+    if not use_input_stats:
+        if running_mean is None or running_var is None:
+            raise InvalidArgument(f"{op}: use_input_stats=False needs running_mean and running_var")
+        _check_eps(op, eps)
+        shape = (1, -1) + (1,) * (input.dim() - 2)
+        y = (input - running_mean.view(shape)) * torch.rsqrt(running_var.view(shape) + eps)
+        if weight is not None:
+            y = y * weight.view(shape)
+        return y + bias.view(shape) if bias is not None else y
+    if input.dim() >= 2 and input.numel() and math.prod(input.shape[2:]) <= 1:
+        raise InvalidArgument(f"{op}: expected more than 1 spatial element per channel when "
+                              f"use_input_stats=True, got input shape {list(input.shape)}")  # fmt: skip
+    C = input.shape[1] if input.dim() >= 2 else 0
+    y, mean, rstd = _group_norm(op, input, C or 1, weight, bias, eps)
+    if running_mean is not None or running_var is not None:
+        hw = math.prod(input.shape[2:])
+        with torch.no_grad():
+            mean_nc = mean.view(input.shape[0], C)
+            var_nc = (rstd.view(input.shape[0], C).double().pow(-2) - eps) * (hw / (hw - 1))
+            if running_mean is not None:
+                running_mean.mul_(1 - momentum).add_(mean_nc.mean(0).to(running_mean.dtype), alpha=momentum)
+            if running_var is not None:
+                running_var.mul_(1 - momentum).add_(var_nc.mean(0).to(running_var.dtype), alpha=momentum)
+    return y

@@ -138,6 +138,33 @@ def add_rms_norm_bwd(dy, dh, h, weight, rstd, dropout_p, seed, x_dtype, residual
     return dx, dres, dweight
 
 
+def group_norm_fwd(x, weight, bias, num_groups, eps):
+    """x: (N, C, HW) -> (y in x.dtype, mean (N * G,), rstd (N * G,)); per-channel affine."""
+    N, C, HW = x.shape
+    rows = x.reshape(N * num_groups, C // num_groups * HW)
+    y, mean, rstd = _norm_fwd(rows, None, None, eps, is_rms=False)
+    y = y.reshape(N, C, HW)
+    if weight is not None:
+        y = y * weight.to(y.dtype)[None, :, None]
+    if bias is not None:
+        y = y + bias.to(y.dtype)[None, :, None]
+    return y.to(x.dtype), mean, rstd
+
+
+def group_norm_bwd(dy, x, weight, mean, rstd, num_groups, bias_dtype):
+    """-> (dx in x.dtype, dweight in weight.dtype or None, dbias in bias_dtype or None)."""
+    N, C, HW = x.shape
+    acc = _math_dtype(x)
+    rows = x.reshape(N * num_groups, C // num_groups * HW)
+    dyf = dy.to(acc)
+    xhat = ((rows.to(acc) - mean.to(acc)[:, None]) * rstd.to(acc)[:, None]).reshape(N, C, HW)
+    dweight = (dyf * xhat).sum(dim=(0, 2)).to(weight.dtype) if weight is not None else None
+    dbias = dyf.sum(dim=(0, 2)).to(bias_dtype) if bias_dtype is not None else None
+    wdy = dyf * weight.to(acc)[None, :, None] if weight is not None else dyf
+    dx, _, _ = _norm_bwd(wdy.reshape(rows.shape), rows, None, mean, rstd, None)
+    return dx.reshape(N, C, HW).to(x.dtype), dweight, dbias
+
+
 def softmax_fwd(x, log):
     """x: (M, N) -> softmax (or log_softmax when ``log``) along each row, in x.dtype.
 

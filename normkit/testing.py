@@ -398,3 +398,45 @@ def check_add_norm_case(op, shape, dtype=torch.float32, device="cpu", *, residua
         assert_close(out[key], ref[key], dt, kind, key, rows)
         used[key] = tolerance_used(out[key], ref[key], dt, kind, rows)
     return used
+
+
+# --- GroupNorm -------------------------------------------------------------------------------------
+
+
+def check_group_norm_case(shape, num_groups, dtype=torch.float32, device="cpu", *, weight=True,
+                          bias=True, mean=0.0, seed=0, forward_only=False):
+    """group_norm fwd+bwd through the public API vs normkit.reference in fp64. (``forward_only``
+    for inputs with a large mean: the backward reads the fp32-stored mean, whose ulp near 1e4 is
+    1e-3, so its gradients are only as good as that, in torch as here.)"""  # fmt: skip
+    g = torch.Generator().manual_seed(seed)
+    C = shape[1]
+
+    def rand(s, scale=1.0, offset=0.0):
+        return (torch.randn(s, generator=g, dtype=torch.float64) * scale + offset).to(dtype).to(device)
+
+    x, dy = rand(shape, 1.0, mean), rand(shape)
+    w = rand((C,), 0.5, 1.0) if weight else None
+    b = rand((C,), 0.5) if bias else None
+    n, hw = shape[0], math.prod(shape[2:])
+    up = lambda t: None if t is None else t.double()  # noqa: E731
+    x3 = x.double().reshape(n, C, hw)
+    y_ref, m_ref, r_ref = reference.group_norm_fwd(x3, up(w), up(b), num_groups, 1e-5)
+    dx_ref, dw_ref, db_ref = reference.group_norm_bwd(
+        dy.double().reshape(n, C, hw), x3, up(w), m_ref, r_ref, num_groups, None if b is None else b.dtype
+    )
+    poison_allocator(device)
+    leaves = [t.detach().requires_grad_(True) if t is not None else None for t in (x, w, b)]
+    y = normkit.group_norm(leaves[0], num_groups, leaves[1], leaves[2], 1e-5)
+    y.backward(dy)
+    used = {}
+    grad = lambda t: None if t is None else t.grad  # noqa: E731
+    for key, got, ref, kind in (("y", y, y_ref, "fwd"), ("dx", leaves[0].grad, dx_ref, "bwd"),
+                                ("dweight", grad(leaves[1]), dw_ref, "param"),
+                                ("dbias", grad(leaves[2]), db_ref, "param")):  # fmt: skip
+        if ref is None or (forward_only and key != "y"):
+            assert ref is not None or got is None, f"{key}: expected None"
+            continue
+        ref = ref.reshape(got.shape)
+        assert_close(got, ref, dtype, kind, key, rows=n * hw)
+        used[key] = tolerance_used(got, ref, dtype, kind, n * hw)
+    return used

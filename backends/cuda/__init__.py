@@ -6,6 +6,7 @@ Triton's interpreter (TRITON_INTERPRET=1), which is how CI exercises these kerne
 
 import torch
 
+from normkit.backends.cuda.group_norm import group_norm_bwd, group_norm_fwd
 from normkit.backends.cuda.layer_norm import (
     add_layer_norm_bwd,
     add_layer_norm_fwd,
@@ -34,4 +35,6 @@ __all__ = [
     "add_layer_norm_bwd",
     "add_rms_norm_fwd",
     "add_rms_norm_bwd",
+    "group_norm_fwd",
+    "group_norm_bwd",
 ]

@@ -173,6 +173,23 @@ def backward(M: int, N: int, dtype: torch.dtype, device: torch.device, is_rms: b
     return LaunchConfig(LOOP_BLOCK_BWD, _warps(LOOP_BLOCK_BWD, dtype), rows, (chunks, col_tiles), False)
 
 
+# GroupNorm: one program per (sample, group) row, tiles of up to this many elements (first choice,
+# not yet measured; speed work on GroupNorm is issue 4's).
+GROUP_NORM_MAX_BLOCK = 4096
+
+
+def group_norm(rows: int, L: int, dtype: torch.dtype) -> LaunchConfig:
+    """GroupNorm forward: one program per (n, g) row of L elements."""
+    block = min(GROUP_NORM_MAX_BLOCK, triton.next_power_of_2(L))
+    return LaunchConfig(block, _warps(block, dtype), 1, (rows,), block >= L)
+
+
+def group_norm_backward(rows: int, HW: int, dtype: torch.dtype) -> LaunchConfig:
+    """GroupNorm backward: one program per (n, g) row, walking channels in tiles over HW."""
+    block = min(GROUP_NORM_MAX_BLOCK, triton.next_power_of_2(HW))
+    return LaunchConfig(block, _warps(block, dtype), 1, (rows,), False)
+
+
 def reduce(G: int, N: int, device: torch.device) -> LaunchConfig:
     """Fixed-order column sum of (G, N) partials: [REDUCE_ROWS, block] tiles, columns spread so
     that about one program runs per SM even for short rows."""

@@ -24,19 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from normkit.backends.common import chan_merge, normalize, residual_grad, residual_in
+from normkit.backends.common import chan_merge, normalize, reciprocal, residual_grad, residual_in
 from normkit.backends.cuda import config
 from normkit.backends.cuda.reduce import sum_partials
-
-
-@triton.jit
-def _reciprocal(n, ACC: tl.constexpr):
-    """1 / n correctly rounded. Triton's fp32 `/` is approximate (div.full.f32): sum / 1 could be
-    off by an ulp, which rstd = 1 / sqrt(eps) then amplifies (N = 1 gives dx != 0)."""
-    if ACC == tl.float64:
-        return 1.0 / tl.cast(n, tl.float64)
-    else:
-        return tl.math.div_rn(1.0, tl.cast(n, tl.float32))
 
 
 @triton.jit
@@ -92,11 +82,11 @@ def _fwd_fused_kernel(
         if ADD and HAS_R:
             shift += tl.load(R + rows64 * stride_r, mask=row_mask, other=0.0).to(ACC)
         xs = tl.where(mask, x - shift[:, None], 0.0)
-        mean_s = tl.sum(xs, axis=1)[:, None] * _reciprocal(N, ACC)
+        mean_s = tl.sum(xs, axis=1)[:, None] * reciprocal(N, ACC)
         tl.store(Mean + rows[:, None], shift[:, None] + mean_s, mask=row_mask[:, None])
         xc = tl.where(mask, xs - mean_s, 0.0)
     # Two-pass variance over registers: no E[x^2] - E[x]^2 cancellation for large means.
-    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) * _reciprocal(N, ACC) + eps)
+    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) * reciprocal(N, ACC) + eps)
     tl.store(Rstd + rows, rstd, mask=row_mask)
     y = xc * rstd[:, None]
     if HAS_W:
@@ -161,7 +151,7 @@ def _fwd_looped_kernel(
             count = tl.cast(tl.minimum(N - start, BLOCK_N), ACC)
             xs = tl.where(mask, x - shift, 0.0)
             mean, m2 = chan_merge(mean, m2, xs, mask, tl.cast(start, ACC), count)
-    rstd = 1.0 / tl.sqrt(m2 * _reciprocal(N, ACC) + eps)
+    rstd = 1.0 / tl.sqrt(m2 * reciprocal(N, ACC) + eps)
     tl.store(Rstd + row, rstd)
     if not IS_RMS:
         tl.store(Mean + row, shift + mean)
@@ -220,7 +210,7 @@ def _bwd_fused_kernel(
         w = tl.load(W + cols, mask=col_mask, other=0.0).to(ACC)
     dw = tl.zeros([BLOCK_N], ACC)
     db = tl.zeros([BLOCK_N], ACC)
-    inv_n = _reciprocal(N, ACC)
+    inv_n = reciprocal(N, ACC)
     # Persistent: program pid takes row tiles pid, pid + G, pid + 2G, ... (a fixed assignment, so
     # the partial sums, and hence dweight/dbias, are the same on every run).
     for tile in range(pid, tl.cdiv(M, ROWS), tl.num_programs(0)):
@@ -298,7 +288,7 @@ def _bwd_row_terms_kernel(
             wdy = wdy * tl.load(W + offs, mask=mask, other=0.0).to(ACC)
         c1 += tl.sum(normalize(x, mean, rstd, mask, IS_RMS) * wdy, axis=0)
         c2 += tl.sum(wdy, axis=0)
-    inv_n = _reciprocal(N, ACC)
+    inv_n = reciprocal(N, ACC)
     tl.store(C1 + row, c1 * inv_n)
     if not IS_RMS:
         tl.store(C2 + row, c2 * inv_n)

@@ -8,6 +8,7 @@ tensors with upstream Triton, which is how they are tested without Ascend hardwa
 
 import torch
 
+from normkit.backends.npu.group_norm import group_norm_bwd, group_norm_fwd
 from normkit.backends.npu.layer_norm import (
     add_layer_norm_bwd,
     add_layer_norm_fwd,
@@ -36,4 +37,6 @@ __all__ = [
     "add_layer_norm_bwd",
     "add_rms_norm_fwd",
     "add_rms_norm_bwd",
+    "group_norm_fwd",
+    "group_norm_bwd",
 ]

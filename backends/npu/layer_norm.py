@@ -7,7 +7,7 @@ int64 row offsets. RMSNorm shares the kernels through the ``IS_RMS`` constexpr.
 
 Backward: a row sweep computes the two dx reduction terms per row, then programs take
 (row chunk, column tile) work items, write dx and one fp32 dweight/dbias partial row per chunk;
-``_sum_partials_kernel`` adds the partial rows in chunk order (deterministic, no atomics).
+``reduce.sum_partials`` adds the partial rows in chunk order (deterministic, no atomics).
 
 The fused residual path (add-norm) runs the same kernels with ``ADD`` on, as on CUDA: h =
 dropout(x) + residual is formed, stored and normalized; the backward adds h's incoming gradient,
@@ -22,6 +22,7 @@ import triton.language as tl
 
 from normkit.backends.common import chan_merge, normalize, residual_grad, residual_in
 from normkit.backends.npu import config
+from normkit.backends.npu.reduce import sum_partials
 
 
 @triton.jit
@@ -225,32 +226,6 @@ def _bwd_dx_kernel(
             tl.store(DB_part + part, db, mask=mask)
 
 
-@triton.jit
-def _sum_partials_kernel(
-    P,  # (G, N) fp32 partial sums, contiguous
-    Out,  # (N,) result in the parameter's dtype
-    G,
-    N,
-    BLOCK_SIZE: tl.constexpr,
-):
-    # UB: one accumulator + one loaded tile -> 8 KB. Rows are added in order 0..G-1.
-    for tile in range(tl.program_id(0), tl.cdiv(N, BLOCK_SIZE), tl.num_programs(0)):
-        cols = tile * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-        mask = cols < N
-        acc = tl.zeros([BLOCK_SIZE], tl.float32)
-        for g in range(0, G):
-            acc += tl.load(P + tl.cast(g, tl.int64) * N + cols, mask=mask, other=0.0)
-        tl.store(Out + cols, acc.to(Out.dtype.element_ty), mask=mask)
-
-
-def _sum_partials(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    G, N = partials.shape
-    out = torch.empty(N, dtype=dtype, device=partials.device)
-    cfg = config.column_tiles(N, partials.device)
-    _sum_partials_kernel[cfg.grid](partials, out, G, N, BLOCK_SIZE=cfg.block_size)
-    return out
-
-
 def _dropout_args(dropout_p, seed):
     """(seed, p, scale) kernel arguments; dropout is compiled out when p == 0."""
     return (seed, dropout_p, 1.0 / (1.0 - dropout_p)) if dropout_p > 0 else (0, 0.0, 1.0)
@@ -304,8 +279,8 @@ def _backward(dy, x, weight, mean, rstd, bias_dtype, is_rms, dh=None, x_dtype=No
         BLOCK_SIZE=cfg.block_size, IS_RMS=is_rms, HAS_W=has_w, HAS_DB=has_db,
         HAS_DH=dh is not None, HAS_DRES=dres is not None, DROPOUT=dropout_p > 0,
     )  # fmt: skip
-    dweight = _sum_partials(dw_part, weight.dtype) if has_w else None
-    dbias = _sum_partials(db_part, bias_dtype) if has_db else None
+    dweight = sum_partials(dw_part, weight.dtype) if has_w else None
+    dbias = sum_partials(db_part, bias_dtype) if has_db else None
     return dx, dres, dweight, dbias
 
 

@@ -1,0 +1,107 @@
+"""GroupNorm / InstanceNorm kernels of every backend vs the fp64 reference and torch."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import executor_params
+
+import normkit
+from normkit.testing import check_group_norm_case
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+# (shape, groups): image shapes, one group per channel, HW = 1, rows longer than a tile, odd sizes.
+DEVICE_CASES = [((16, 64, 28, 28), 32), ((4, 32, 7, 7), 8), ((2, 16, 128, 128), 4), ((8, 512), 32),
+                ((3, 6, 5, 5), 3), ((2, 12, 33), 12), ((1, 4, 1025), 2)]  # fmt: skip
+INTERPRETER_CASES = [((2, 6, 5, 5), 3), ((1, 4, 33), 2), ((3, 8), 4), ((2, 4, 40, 40), 2)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("executor,shape,groups", executor_params(INTERPRETER_CASES, DEVICE_CASES))
+def test_group_norm_matches_reference(run_on, executor, shape, groups, dtype):
+    with run_on(executor, dtype):
+        check_group_norm_case(shape, groups, dtype, executor.device)
+
+
+@pytest.mark.parametrize("affine", [(False, False), (True, False), (False, True)], ids=str)
+@pytest.mark.parametrize("executor,shape,groups", executor_params(
+    [((2, 6, 5, 5), 3)], [((4, 32, 7, 7), 8)]))  # fmt: skip
+def test_group_norm_weight_bias_optional(run_on, executor, shape, groups, affine):
+    with run_on(executor, torch.float32):
+        check_group_norm_case(shape, groups, torch.float32, executor.device, weight=affine[0],
+                              bias=affine[1])  # fmt: skip
+
+
+@pytest.mark.parametrize("executor,shape,groups", executor_params(
+    [((2, 4, 40, 40), 2)], [((8, 64, 56, 56), 32)]))  # fmt: skip
+def test_group_norm_large_mean_and_determinism(run_on, executor, shape, groups):
+    with run_on(executor, torch.float32):
+        check_group_norm_case(shape, groups, torch.float32, executor.device, mean=1e4, forward_only=True)
+        x = torch.randn(shape, device=executor.device, requires_grad=True)
+        w = torch.randn(shape[1], device=executor.device, requires_grad=True)
+        grads = []
+        for _ in range(2):
+            (gw,) = torch.autograd.grad(normkit.group_norm(x, groups, w).square().sum(), w)
+            grads.append(gw)
+        assert torch.equal(grads[0], grads[1]), "dweight differs between runs"
+
+
+@pytest.mark.parametrize("executor,shape", executor_params([((2, 3, 4, 5),)], [((8, 16, 14, 14),)]))
+def test_instance_norm_running_stats_like_torch(run_on, executor, shape):
+    """Several training steps update running stats as torch does; eval mode uses them."""
+    with run_on(executor, torch.float32):
+        dev = executor.device
+        C = shape[1]
+        w, b = torch.randn(C, device=dev), torch.randn(C, device=dev)
+        ours = [torch.randn(C, device=dev), torch.rand(C, device=dev) + 0.5]
+        theirs = [t.clone() for t in ours]
+        for step in range(3):
+            x = torch.randn(shape, device=dev) * (step + 1) + step
+            xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+            ya = normkit.instance_norm(xa, *ours, w, b, momentum=0.2)
+            yb = F.instance_norm(xb, *theirs, w, b, momentum=0.2)
+            torch.testing.assert_close(ya, yb, atol=1e-5, rtol=1e-5)
+            dy = torch.randn(shape, device=dev)
+            ya.backward(dy)
+            yb.backward(dy)
+            torch.testing.assert_close(xa.grad, xb.grad, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(ours[0], theirs[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ours[1], theirs[1], atol=1e-5, rtol=1e-5)
+        x = torch.randn(shape, device=dev)
+        torch.testing.assert_close(normkit.instance_norm(x, *ours, w, b, use_input_stats=False),
+                                   F.instance_norm(x, *theirs, w, b, use_input_stats=False))  # fmt: skip
+
+
+def test_group_norm_reference_matches_torch_and_gradcheck():
+    g = torch.Generator().manual_seed(0)
+    for shape, groups in (((3, 6, 4, 5), 3), ((2, 4), 2), ((2, 8, 9), 8)):
+        x = torch.randn(shape, generator=g, dtype=torch.float64, requires_grad=True)
+        w = torch.randn(shape[1], generator=g, dtype=torch.float64, requires_grad=True)
+        b = torch.randn(shape[1], generator=g, dtype=torch.float64, requires_grad=True)
+        torch.testing.assert_close(normkit.group_norm(x, groups, w, b), F.group_norm(x, groups, w, b))
+        assert torch.autograd.gradcheck(lambda x, w, b, gr=groups: normkit.group_norm(x, gr, w, b), (x, w, b))
+
+
+def test_group_norm_errors_name_the_argument():
+    x = torch.randn(2, 6, 4)
+    with pytest.raises(normkit.InvalidArgument, match="num_groups 4 does not divide the 6 channels"):
+        normkit.group_norm(x, 4)
+    with pytest.raises(normkit.InvalidArgument, match="num_groups must be a positive int, got 0"):
+        normkit.group_norm(x, 0)
+    with pytest.raises(normkit.InvalidArgument, match="weight has shape \\[4\\]; expected .*\\[6\\]"):
+        normkit.group_norm(x, 3, torch.ones(4))
+    with pytest.raises(normkit.InvalidArgument, match="input must have shape \\(N, C, \\*\\)"):
+        normkit.group_norm(torch.randn(6), 3)
+    with pytest.raises(normkit.InvalidArgument, match="more than 1 spatial element"):
+        normkit.instance_norm(torch.randn(2, 6))
+    with pytest.raises(normkit.InvalidArgument, match="use_input_stats=False needs running_mean"):
+        normkit.instance_norm(x, use_input_stats=False)
+    with pytest.raises(normkit.InvalidArgument, match="running_mean has shape \\[5\\]"):
+        normkit.instance_norm(x, torch.zeros(5), torch.ones(6))
+
+
+def test_group_norm_empty_like_torch():
+    x = torch.randn(0, 6, 3, requires_grad=True)
+    y = normkit.group_norm(x, 3)
+    assert y.shape == F.group_norm(x, 3).shape
+    y.sum().backward()
+    assert x.grad.shape == x.shape

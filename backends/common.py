@@ -176,3 +176,97 @@ def group_norm_row_bwd(X, DY, DX, W, Mean, Rstd, DW_part, DB_part, row, G, C, L,
             dy = tl.load(DY + at, mask=mask, other=0.0).to(ACC)
             dx = (w * dy - ((x - mean) * rstd * c1 + c2)) * rstd
             tl.store(DX + at, dx.to(DX.dtype.element_ty), mask=mask)
+
+
+# --- BatchNorm: per-channel statistics over (N, HW) of a contiguous (N, C, HW) input ---------------
+
+
+@triton.jit
+def batch_norm_channel_stats(X, Mean, Var, c, N, C, HW, BLOCK: tl.constexpr, ACC: tl.constexpr):
+    """Mean and biased variance of channel ``c`` over N samples x HW: Chan merging of tiles of
+    x - x[0, c, 0], samples in order (deterministic)."""
+    cols = tl.arange(0, BLOCK)
+    shift = tl.load(X + tl.cast(c, tl.int64) * HW).to(ACC)
+    mean = tl.zeros((), ACC)
+    m2 = tl.zeros((), ACC)
+    seen = tl.zeros((), ACC)
+    for n in range(0, N):
+        base = (tl.cast(n, tl.int64) * C + c) * HW
+        for start in range(0, HW, BLOCK):
+            offs = start + cols
+            mask = offs < HW
+            xs = tl.where(mask, tl.load(X + base + offs, mask=mask, other=0.0).to(ACC) - shift, 0.0)
+            count = tl.cast(tl.minimum(HW - start, BLOCK), ACC)
+            mean, m2 = chan_merge(mean, m2, xs, mask, seen, count)
+            seen += count
+    tl.store(Mean + c, shift + mean)
+    tl.store(Var + c, m2 / seen)
+
+
+@triton.jit
+def batch_norm_row_apply(X, Y, W, B, Mean, Rstd, row, C, HW, BLOCK: tl.constexpr,
+                         HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
+    """y = (x - mean_c) * rstd_c * w_c + b_c over row ``row`` = (n, c) of HW elements."""
+    c = row % C
+    base = tl.cast(row, tl.int64) * HW
+    scale = tl.load(Rstd + c).to(ACC)
+    if HAS_W:
+        scale = scale * tl.load(W + c).to(ACC)
+    shift = -tl.load(Mean + c).to(ACC) * scale
+    if HAS_B:
+        shift = shift + tl.load(B + c).to(ACC)
+    cols = tl.arange(0, BLOCK)
+    for start in range(0, HW, BLOCK):
+        offs = start + cols
+        mask = offs < HW
+        x = tl.load(X + base + offs, mask=mask, other=0.0).to(ACC)
+        tl.store(Y + base + offs, (x * scale + shift).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def batch_norm_channel_grad_sums(X, DY, Mean, Rstd, Sum_dy, Sum_dy_xhat, c, N, C, HW,
+                                 BLOCK: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
+    """sum(dy) and sum(dy * xhat) of channel ``c`` (dbias, dweight and the dx terms)."""
+    cols = tl.arange(0, BLOCK)
+    mean = tl.load(Mean + c).to(ACC)
+    rstd = tl.load(Rstd + c).to(ACC)
+    s_dy = tl.zeros((), ACC)
+    s_dyx = tl.zeros((), ACC)
+    for n in range(0, N):
+        base = (tl.cast(n, tl.int64) * C + c) * HW
+        for start in range(0, HW, BLOCK):
+            offs = start + cols
+            mask = offs < HW
+            x = tl.load(X + base + offs, mask=mask, other=0.0).to(ACC)
+            dy = tl.load(DY + base + offs, mask=mask, other=0.0).to(ACC)
+            s_dy += tl.sum(dy, axis=0)
+            s_dyx += tl.sum(tl.where(mask, (x - mean) * rstd, 0.0) * dy, axis=0)
+    tl.store(Sum_dy + c, s_dy)
+    tl.store(Sum_dy_xhat + c, s_dyx)
+
+
+@triton.jit
+def batch_norm_row_dx(X, DY, DX, W, Mean, Rstd, Sum_dy, Sum_dy_xhat, row, C, HW, inv_count,
+                      BLOCK: tl.constexpr, HAS_W: tl.constexpr, TRAINING: tl.constexpr,
+                      ACC: tl.constexpr):  # fmt: skip
+    """dx over row (n, c). Training: w * rstd * (dy - (sum_dy + xhat * sum_dy_xhat) / count);
+    eval (fixed running statistics): w * rstd * dy."""
+    c = row % C
+    base = tl.cast(row, tl.int64) * HW
+    rstd = tl.load(Rstd + c).to(ACC)
+    scale = rstd
+    if HAS_W:
+        scale = scale * tl.load(W + c).to(ACC)
+    if TRAINING:
+        mean = tl.load(Mean + c).to(ACC)
+        a = tl.load(Sum_dy + c).to(ACC) * inv_count
+        b = tl.load(Sum_dy_xhat + c).to(ACC) * inv_count
+    cols = tl.arange(0, BLOCK)
+    for start in range(0, HW, BLOCK):
+        offs = start + cols
+        mask = offs < HW
+        dy = tl.load(DY + base + offs, mask=mask, other=0.0).to(ACC)
+        if TRAINING:
+            x = tl.load(X + base + offs, mask=mask, other=0.0).to(ACC)
+            dy = dy - (a + (x - mean) * rstd * b)
+        tl.store(DX + base + offs, (dy * scale).to(DX.dtype.element_ty), mask=mask)

@@ -9,6 +9,7 @@ from normkit.errors import InvalidArgument, InvalidDtype
 from normkit.functional import (
     add_layer_norm,
     add_rms_norm,
+    batch_norm,
     group_norm,
     instance_norm,
     layer_norm,
@@ -28,6 +29,7 @@ __all__ = [
     "add_rms_norm",
     "group_norm",
     "instance_norm",
+    "batch_norm",
     "backend_for",
     "backend_name_for",
     "InvalidArgument",

@@ -429,3 +429,73 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
             if running_var is not None:
                 running_var.mul_(1 - momentum).add_(var_nc.mean(0).to(running_var.dtype), alpha=momentum)
     return y
+
+
+class _BatchNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, training, momentum, eps, backend):
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        with _on(x.device):
+            if training:
+                mean, var = backend.batch_norm_stats(x)
+                rstd = torch.rsqrt(var + eps)
+                count = x.shape[0] * x.shape[2]
+                with torch.no_grad():  # as torch: the running variance is the unbiased one
+                    if running_mean is not None:
+                        running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
+                    if running_var is not None:
+                        unbiased = (var * (count / (count - 1))).to(running_var.dtype)
+                        running_var.mul_(1 - momentum).add_(unbiased, alpha=momentum)
+            else:
+                mean = running_mean.to(acc)
+                rstd = torch.rsqrt(running_var.to(acc) + eps)
+            y = backend.batch_norm_apply(x, weight, bias, mean, rstd)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.backend, ctx.training = backend, training
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        x, weight, mean, rstd = ctx.saved_tensors
+        with _on(x.device):
+            dx, dweight, dbias = ctx.backend.batch_norm_bwd(
+                dy.contiguous(), x, weight, mean, rstd, ctx.training, ctx.bias_dtype
+            )
+        return dx, dweight, dbias, None, None, None, None, None, None
+
+
+def batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1,
+               eps=1e-5):  # fmt: skip
+    """Same signature and semantics as :func:`torch.nn.functional.batch_norm`.
+
+    Training: per-channel statistics over (N, *) normalize the input, and the running statistics
+    (when given) are updated in place with the unbiased variance, as torch does. Eval: the running
+    statistics normalize the input. Forward and backward are deterministic.
+    """
+    op = "batch_norm"
+    _check_tensor(op, "input", input, required=True)
+    if input.dim() < 2:
+        raise InvalidArgument(f"{op}: input must have shape (N, C, *), got {list(input.shape)}")
+    C = input.shape[1]
+    for name, value in (("running_mean", running_mean), ("running_var", running_var),
+                        ("weight", weight), ("bias", bias)):  # fmt: skip
+        _check_param(op, name, value, (C,))
+    if not training and (running_mean is None or running_var is None):
+        raise InvalidArgument(f"{op}: running_mean and running_var are required when training=False")
+    if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real):
+        raise TypeError(f"{op}: momentum must be a real number, got {momentum!r}")
+    eps = _check_eps(op, eps)
+    count = input.numel() // C if C else 0
+    if training and count == 1:
+        raise InvalidArgument(f"{op}: expected more than 1 value per channel when training, got input "
+                              f"shape {list(input.shape)}")  # fmt: skip
+    backend = _backend(op, input, weight=weight, bias=bias, running_mean=running_mean,
+                       running_var=running_var)  # fmt: skip
+    x = input.reshape(input.shape[0], C, math.prod(input.shape[2:])).contiguous()
+    if x.numel() == 0:
+        backend = reference
+    y = _BatchNorm.apply(x, weight, bias, running_mean, running_var, bool(training), float(momentum), eps,
+                         backend)  # fmt: skip
+    return y.view(input.shape)

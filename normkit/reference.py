@@ -165,6 +165,40 @@ def group_norm_bwd(dy, x, weight, mean, rstd, num_groups, bias_dtype):
     return dx.reshape(N, C, HW).to(x.dtype), dweight, dbias
 
 
+def batch_norm_stats(x):
+    """x: (N, C, HW) -> (mean, biased var) per channel, (C,) in the math dtype (two-pass)."""
+    xf = x.to(_math_dtype(x))
+    mean = xf.mean(dim=(0, 2))
+    return mean, (xf - mean[None, :, None]).square().mean(dim=(0, 2))
+
+
+def batch_norm_apply(x, weight, bias, mean, rstd):
+    """y = (x - mean_c) * rstd_c * weight_c + bias_c, in x.dtype."""
+    acc = _math_dtype(x)
+    y = (x.to(acc) - mean.to(acc)[None, :, None]) * rstd.to(acc)[None, :, None]
+    if weight is not None:
+        y = y * weight.to(acc)[None, :, None]
+    if bias is not None:
+        y = y + bias.to(acc)[None, :, None]
+    return y.to(x.dtype)
+
+
+def batch_norm_bwd(dy, x, weight, mean, rstd, training, bias_dtype):
+    """-> (dx, dweight, dbias). ``training``: mean/rstd were this batch's statistics, so their
+    gradient flows to x; otherwise they were running statistics (constants)."""
+    acc = _math_dtype(x)
+    dyf, r = dy.to(acc), rstd.to(acc)[None, :, None]
+    xhat = (x.to(acc) - mean.to(acc)[None, :, None]) * r
+    sum_dy, sum_dy_xhat = dyf.sum(dim=(0, 2)), (dyf * xhat).sum(dim=(0, 2))
+    scale = r * weight.to(acc)[None, :, None] if weight is not None else r
+    if training:
+        count = x.shape[0] * x.shape[2]
+        dyf = dyf - (sum_dy[None, :, None] + xhat * sum_dy_xhat[None, :, None]) / count
+    dweight = sum_dy_xhat.to(weight.dtype) if weight is not None else None
+    dbias = sum_dy.to(bias_dtype) if bias_dtype is not None else None
+    return (dyf * scale).to(x.dtype), dweight, dbias
+
+
 def softmax_fwd(x, log):
     """x: (M, N) -> softmax (or log_softmax when ``log``) along each row, in x.dtype.
 

@@ -440,3 +440,50 @@ def check_group_norm_case(shape, num_groups, dtype=torch.float32, device="cpu", 
         assert_close(got, ref, dtype, kind, key, rows=n * hw)
         used[key] = tolerance_used(got, ref, dtype, kind, n * hw)
     return used
+
+
+# --- BatchNorm -------------------------------------------------------------------------------------
+
+
+def check_batch_norm_case(shape, dtype=torch.float32, device="cpu", *, training=True, weight=True,
+                          bias=True, mean=0.0, seed=0):
+    """batch_norm fwd+bwd through the public API vs normkit.reference in fp64 (eval mode uses
+    random running statistics)."""  # fmt: skip
+    g = torch.Generator().manual_seed(seed)
+    C = shape[1]
+
+    def rand(s, scale=1.0, offset=0.0, dt=dtype):
+        return (torch.randn(s, generator=g, dtype=torch.float64) * scale + offset).to(dt).to(device)
+
+    x, dy = rand(shape, 1.0, mean), rand(shape)
+    w = rand((C,), 0.5, 1.0) if weight else None
+    b = rand((C,), 0.5) if bias else None
+    running = [rand((C,), 0.5, dt=torch.float32), rand((C,), 0.1, 1.0, dt=torch.float32).abs()]
+    n, hw = shape[0], math.prod(shape[2:])
+    x3 = x.double().reshape(n, C, hw)
+    up = lambda t: None if t is None else t.double()  # noqa: E731
+    if training:
+        m_ref, var = reference.batch_norm_stats(x3)
+    else:
+        m_ref, var = running[0].double(), running[1].double()
+    r_ref = torch.rsqrt(var + 1e-5)
+    y_ref = reference.batch_norm_apply(x3, up(w), up(b), m_ref, r_ref)
+    dx_ref, dw_ref, db_ref = reference.batch_norm_bwd(
+        dy.double().reshape(n, C, hw), x3, up(w), m_ref, r_ref, training, None if b is None else torch.float64
+    )
+    poison_allocator(device)
+    leaves = [t.detach().requires_grad_(True) if t is not None else None for t in (x, w, b)]
+    y = normkit.batch_norm(leaves[0], *running, leaves[1], leaves[2], training=training)
+    y.backward(dy)
+    grad = lambda t: None if t is None else t.grad  # noqa: E731
+    used = {}
+    for key, got, ref, kind in (("y", y, y_ref, "fwd"), ("dx", leaves[0].grad, dx_ref, "bwd"),
+                                ("dweight", grad(leaves[1]), dw_ref, "param"),
+                                ("dbias", grad(leaves[2]), db_ref, "param")):  # fmt: skip
+        if ref is None:
+            assert got is None, f"{key}: expected None"
+            continue
+        ref = ref.reshape(got.shape)
+        assert_close(got, ref, dtype, kind, key, rows=n * hw)
+        used[key] = tolerance_used(got, ref, dtype, kind, n * hw)
+    return used

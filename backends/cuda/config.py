@@ -190,6 +190,13 @@ def group_norm_backward(rows: int, HW: int, dtype: torch.dtype) -> LaunchConfig:
     return LaunchConfig(block, _warps(block, dtype), 1, (rows,), False)
 
 
+def batch_norm(programs: int, HW: int, dtype: torch.dtype) -> LaunchConfig:
+    """BatchNorm: one program per channel (statistics, gradient sums) or per (n, c) row (apply,
+    dx), tiles over HW (first choice, not yet measured; speed is issue 4's)."""
+    block = min(GROUP_NORM_MAX_BLOCK, triton.next_power_of_2(HW))
+    return LaunchConfig(block, _warps(block, dtype), 1, (programs,), False)
+
+
 def reduce(G: int, N: int, device: torch.device) -> LaunchConfig:
     """Fixed-order column sum of (G, N) partials: [REDUCE_ROWS, block] tiles, columns spread so
     that about one program runs per SM even for short rows."""

@@ -1,0 +1,94 @@
+"""BatchNorm kernels of every backend (training and eval) vs the fp64 reference and torch."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import executor_params
+
+import normkit
+from normkit.testing import check_batch_norm_case
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+DEVICE_SHAPES = [(32, 64, 28, 28), (16, 128, 7, 7), (2, 8, 128, 128), (256, 64), (3, 5, 33), (2, 3, 1)]
+INTERPRETER_SHAPES = [(4, 3, 5, 5), (16, 6), (2, 3, 1100), (3, 2, 1)]
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("executor,shape", executor_params(
+    [(s,) for s in INTERPRETER_SHAPES], [(s,) for s in DEVICE_SHAPES]))  # fmt: skip
+def test_batch_norm_matches_reference(run_on, executor, shape, dtype, training):
+    with run_on(executor, dtype):
+        check_batch_norm_case(shape, dtype, executor.device, training=training)
+
+
+@pytest.mark.parametrize("affine", [(False, False), (True, False), (False, True)], ids=str)
+@pytest.mark.parametrize("executor,shape", executor_params([((4, 3, 5, 5),)], [((16, 32, 14, 14),)]))
+def test_batch_norm_weight_bias_optional(run_on, executor, shape, affine):
+    with run_on(executor, torch.float32):
+        check_batch_norm_case(shape, torch.float32, executor.device, weight=affine[0], bias=affine[1])
+
+
+@pytest.mark.parametrize("executor,shape", executor_params([((4, 3, 6, 6),)], [((16, 64, 28, 28),)]))
+def test_batch_norm_running_stats_like_torch(run_on, executor, shape):
+    """Several training steps (different batches) then eval: outputs, grads, running stats."""
+    with run_on(executor, torch.float32):
+        dev, C = executor.device, shape[1]
+        w, b = torch.randn(C, device=dev), torch.randn(C, device=dev)
+        ours = [torch.zeros(C, device=dev), torch.ones(C, device=dev)]
+        theirs = [t.clone() for t in ours]
+        for step in range(4):
+            x = torch.randn(shape, device=dev) * (step + 1) + 3 * step
+            xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+            ya = normkit.batch_norm(xa, *ours, w, b, training=True, momentum=0.25)
+            yb = F.batch_norm(xb, *theirs, w, b, training=True, momentum=0.25)
+            torch.testing.assert_close(ya, yb, atol=1e-5, rtol=1e-5)
+            dy = torch.randn(shape, device=dev)
+            ya.backward(dy)
+            yb.backward(dy)
+            torch.testing.assert_close(xa.grad, xb.grad, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(ours[0], theirs[0], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(ours[1], theirs[1], atol=1e-5, rtol=1e-5)
+        x = torch.randn(shape, device=dev)
+        torch.testing.assert_close(normkit.batch_norm(x, *ours, w, b), F.batch_norm(x, *theirs, w, b),
+                                   atol=1e-5, rtol=1e-5)  # fmt: skip
+
+
+@pytest.mark.parametrize("executor,shape", executor_params([((4, 3, 40, 40),)], [((32, 64, 56, 56),)]))
+def test_batch_norm_large_mean_and_determinism(run_on, executor, shape):
+    with run_on(executor, torch.float32):
+        x = (torch.randn(shape, device=executor.device) + 1e4).requires_grad_()
+        w = torch.randn(shape[1], device=executor.device, requires_grad=True)
+        y = normkit.batch_norm(x, None, None, w, training=True)
+        expected = F.batch_norm(x.detach().double(), None, None, w.detach().double(), training=True)
+        torch.testing.assert_close(y.double(), expected, atol=2e-3, rtol=0)  # x's own ulp is 1e-3
+        grads = [torch.autograd.grad(normkit.batch_norm(x, None, None, w, training=True).square().sum(),
+                                     (x, w)) for _ in range(2)]  # fmt: skip
+        assert all(torch.equal(a, b) for a, b in zip(*grads)), "gradients differ between runs"
+
+
+def test_batch_norm_reference_gradcheck():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 3, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, generator=g, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, generator=g, dtype=torch.float64, requires_grad=True)
+    rm, rv = torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
+    for training in (True, False):
+        assert torch.autograd.gradcheck(
+            lambda x, w, b, t=training: normkit.batch_norm(x, rm.clone(), rv.clone(), w, b, training=t),
+            (x, w, b),
+        )
+
+
+def test_batch_norm_errors_name_the_argument():
+    x = torch.randn(4, 3, 5)
+    with pytest.raises(normkit.InvalidArgument, match="running_mean and running_var are required"):
+        normkit.batch_norm(x, None, None)
+    with pytest.raises(normkit.InvalidArgument, match="running_var has shape \\[4\\]; expected .*\\[3\\]"):
+        normkit.batch_norm(x, torch.zeros(3), torch.ones(4))
+    with pytest.raises(normkit.InvalidArgument, match="more than 1 value per channel"):
+        normkit.batch_norm(torch.randn(1, 3), None, None, training=True)
+    with pytest.raises(normkit.InvalidArgument, match="eps must be a finite number >= 0"):
+        normkit.batch_norm(x, None, None, training=True, eps=-1.0)
+    with pytest.raises(normkit.InvalidArgument, match="running_mean is on device meta"):
+        normkit.batch_norm(x, torch.zeros(3, device="meta"), torch.ones(3))

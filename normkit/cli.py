@@ -12,7 +12,9 @@ import os
 import sys
 import time
 
-OPS = ("layer_norm", "rms_norm", "softmax", "log_softmax", "add_layer_norm", "add_rms_norm")
+OPS = ("layer_norm", "rms_norm", "softmax", "log_softmax", "add_layer_norm", "add_rms_norm",
+       "group_norm", "batch_norm")
+BENCH_OPS = OPS[:6]  # the row ops `normkit bench` times (GroupNorm / BatchNorm: issue 4)
 DEVICE_SHAPES = [(1, 1), (3, 7), (128, 1023), (1151, 1024), (64, 4096), (3, 40999), (2, 1 << 20)]
 INTERPRETER_SHAPES = [(1, 1), (3, 7), (130, 1023), (2, 4096), (2, 40999)]
 
@@ -153,7 +155,8 @@ def main(argv=None) -> int:
     info.add_argument("--shape", help="M,N: also print the launch configs chosen for these rows")
     info.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32", "float64"])
     info.set_defaults(fn=cmd_info)
-    check = sub.add_parser("check", help="fwd+bwd of every op x dtype x shape vs the fp64 reference")
+    check = sub.add_parser("check", help="fwd+bwd of every op x dtype x shape vs the fp64 reference "
+                                         f"({', '.join(OPS)})")
     check.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "npu"],
                        help="device to check (auto: cuda, else npu, else the CPU reference)")
     check.add_argument("--interpret", action="store_true",
@@ -163,7 +166,8 @@ def main(argv=None) -> int:
     bench = sub.add_parser(
         "bench", help="GB/s and fraction of copy: normkit vs torch vs torch.compile (CUDA)"
     )
-    bench.add_argument("--ops", default=",".join(OPS), help="comma-separated ops (default: all)")
+    bench.add_argument("--ops", default=",".join(BENCH_OPS),
+                       help=f"comma-separated ops (default: {','.join(BENCH_OPS)})")
     bench.add_argument("--n", help="comma-separated row lengths N (M = 2^27 / N)")
     bench.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"])
     bench.add_argument("--quick", action="store_true", help="N = 4096 only")

@@ -23,7 +23,8 @@ from normkit import dispatch, reference
 NORM_OPS = ("layer_norm", "rms_norm")
 SOFTMAX_OPS = ("softmax", "log_softmax")
 ADD_OPS = ("add_layer_norm", "add_rms_norm")
-OPS = NORM_OPS + SOFTMAX_OPS + ADD_OPS
+CHANNEL_OPS = ("group_norm", "batch_norm")
+OPS = NORM_OPS + SOFTMAX_OPS + ADD_OPS + CHANNEL_OPS
 
 # (atol, rtol) per dtype. "fwd": y. "bwd": dx. "param": dweight / dbias, whose atol is further
 # multiplied by sqrt(M) (a sum over M rows: fp32 rounding grows like a random walk).
@@ -285,6 +286,11 @@ def check_case(op, shape, normalized_ndim=1, dtype=torch.float32, device="cpu", 
         return check_softmax_case(op, shape, -1, dtype, device, seed=seed)
     if op in ADD_OPS:  # residual + dropout (p = 0.1) + norm, with h used downstream
         return check_add_norm_case(op, shape, dtype, device, dropout_p=0.1, seed=seed)
+    if op in CHANNEL_OPS:  # rows (M, N) -> an (N, C, HW) image batch with 8 channels
+        image = (max(shape[0], 2), 8, max(shape[1] // 8, 1))
+        if op == "group_norm":
+            return check_group_norm_case(image, 4, dtype, device, seed=seed)
+        return check_batch_norm_case(image, dtype, device, seed=seed)
     if op == "layer_norm" and eps is None:
         eps = 1e-5
     inputs = make_inputs(op, shape, normalized_ndim, dtype, device, weight, bias, mean, seed)

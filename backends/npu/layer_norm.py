@@ -23,6 +23,7 @@ import triton.language as tl
 from normkit.backends.common import chan_merge, normalize, residual_grad, residual_in
 from normkit.backends.npu import config
 from normkit.backends.npu.reduce import sum_partials
+from normkit.backends.row_norm_contract import row_norm_contract
 
 
 @triton.jit
@@ -284,50 +285,12 @@ def _backward(dy, x, weight, mean, rstd, bias_dtype, is_rms, dh=None, x_dtype=No
     return dx, dres, dweight, dbias
 
 
-def layer_norm_fwd(x, weight, bias, eps):
-    """x: (M, N) rows -> (y, mean, rstd); see docs/design.md for the contract."""
-    y, _, mean, rstd = _forward(x, weight, bias, eps, is_rms=False)
-    return y, mean, rstd
-
-
-def layer_norm_bwd(dy, x, weight, mean, rstd, bias_dtype):
-    """-> (dx, dweight, dbias), None where the forward had no weight / bias."""
-    dx, _, dweight, dbias = _backward(dy, x, weight, mean, rstd, bias_dtype, is_rms=False)
-    return dx, dweight, dbias
-
-
-def rms_norm_fwd(x, weight, eps):
-    """x: (M, N) rows -> (y, rstd)."""
-    y, _, _, rstd = _forward(x, weight, None, eps, is_rms=True)
-    return y, rstd
-
-
-def rms_norm_bwd(dy, x, weight, rstd):
-    """-> (dx, dweight), dweight None when the forward had no weight."""
-    dx, _, dweight, _ = _backward(dy, x, weight, rstd, rstd, None, is_rms=True)
-    return dx, dweight
-
-
-def add_layer_norm_fwd(x, residual, weight, bias, eps, dropout_p, seed, h_dtype):
-    """h = dropout(x) + residual (residual may be None) in h_dtype; -> (y, h, mean, rstd)."""
-    return _forward(x, weight, bias, eps, False, True, residual, h_dtype, dropout_p, seed)
-
-
-def add_layer_norm_bwd(dy, dh, h, weight, mean, rstd, bias_dtype, dropout_p, seed, x_dtype,
-                       residual_dtype):  # fmt: skip
-    """-> (dx, dresidual, dweight, dbias); dh (h's own incoming gradient) may be None."""
-    return _backward(dy, h, weight, mean, rstd, bias_dtype, False, dh, x_dtype, residual_dtype,
-                     dropout_p, seed)  # fmt: skip
-
-
-def add_rms_norm_fwd(x, residual, weight, eps, dropout_p, seed, h_dtype):
-    """-> (y, h, rstd)."""
-    y, h, _, rstd = _forward(x, weight, None, eps, True, True, residual, h_dtype, dropout_p, seed)
-    return y, h, rstd
-
-
-def add_rms_norm_bwd(dy, dh, h, weight, rstd, dropout_p, seed, x_dtype, residual_dtype):
-    """-> (dx, dresidual, dweight)."""
-    dx, dres, dweight, _ = _backward(dy, h, weight, rstd, rstd, None, True, dh, x_dtype,
-                                     residual_dtype, dropout_p, seed)  # fmt: skip
-    return dx, dres, dweight
+_contract = row_norm_contract(_forward, _backward)
+layer_norm_fwd = _contract.layer_norm_fwd
+layer_norm_bwd = _contract.layer_norm_bwd
+rms_norm_fwd = _contract.rms_norm_fwd
+rms_norm_bwd = _contract.rms_norm_bwd
+add_layer_norm_fwd = _contract.add_layer_norm_fwd
+add_layer_norm_bwd = _contract.add_layer_norm_bwd
+add_rms_norm_fwd = _contract.add_rms_norm_fwd
+add_rms_norm_bwd = _contract.add_rms_norm_bwd

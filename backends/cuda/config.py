@@ -146,7 +146,7 @@ def softmax(M: int, N: int, dtype: torch.dtype, device: torch.device) -> LaunchC
 
 def row_sweep(M: int, N: int, dtype: torch.dtype) -> LaunchConfig:
     """One program per row looping over column tiles (the looped backward's row statistics)."""
-    return LaunchConfig(LOOP_BLOCK_FWD, _warps(LOOP_BLOCK_FWD, dtype), 1, (M,), False)
+    return _row_sweep(M, N, dtype, fused_max=0)
 
 
 def backward(M: int, N: int, dtype: torch.dtype, device: torch.device, is_rms: bool) -> LaunchConfig:

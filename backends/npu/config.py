@@ -21,7 +21,6 @@ import torch
 # inside the ~96 KB double-buffered UB budget; it is the tile vllm-ascend's and triton-ascend's own
 # norm kernels use, and a power of two as tl.arange requires. Longer rows loop over tiles.
 BLOCK_SIZE = 1024
-UB_BUDGET_BYTES = 96 * 1024
 
 # Vector cores when the driver cannot be asked (older triton-ascend, or the NPU kernels running on
 # another executor): an Atlas 800 A2 with Ascend910B4 has 20 AI cores x 2 vector cores.

@@ -1,22 +1,437 @@
-"""Side-by-side timing of normkit, torch eager and torch.compile, as fractions of a device copy.
+"""`normkit bench`: normkit, torch eager, torch.compile (and Liger-Kernel, quack when importable) side
+by side, forward and backward, in GB/s and as fractions of a device-to-device copy timed in the same run.
 
-First version: forward and backward of each op across row lengths, one dtype per run, printed as
-a table. Bytes counted are the fewest an op must move (in units of M * N * elt, ``UNITS``): norms
-and softmax read x and write y (2), backward reads x (softmax: y) and dy and writes dx (3); the
-fused add-norm reads x and residual and writes y and h (4), backward reads dy and h and writes dx
-and dresidual (4). torch's side of the add-norm is ``h = x + residual; y = norm(h)``.
+Method. Each case (suite, op, dtype, shape) draws fresh inputs; every implementation's outputs and
+gradients are first compared with the fp64 reference (normkit.testing tolerances): a mismatch is
+reported as ``wrong`` (not timed, and the command exits 1 after the sweep), an exception as ``fail``
+(the sweep goes on). Forward and backward are then timed separately with
+``triton.testing.do_bench`` (median; it flushes L2 between runs): the forward call, and
+``torch.autograd.grad`` of the first output w.r.t. every float input (x, weight, bias, residual)
+with ``retain_graph=True``. ``torch._dynamo.reset()`` runs before each case, so torch.compile
+compiles every shape afresh instead of falling back to eager after its recompile limit. Row tensors
+hold 2^27 elements (M = 2^27 // N), well past L2; the ``few`` suite is small on purpose (inference).
+
+Bytes counted are the fewest the op must move, in units of the input's size (``UNITS``; weight,
+bias and statistics traffic is negligible and not counted):
+
+  layer_norm, rms_norm, softmax, log_softmax    fwd 2: read x, write y
+  (and *_dim0, group_norm, batch_norm)          bwd 3: read x (softmax: y) and dy, write dx
+  add_layer_norm, add_rms_norm                  fwd 4: read x, residual; write y, h = x + residual
+                                                bwd 4: read dy, h; write dx, dresidual
+
+The add-norms' backward feeds only y's gradient (h unused downstream). torch's side of an add-norm
+is ``h = x + residual; y = norm(h)``; normkit's is the fused op with ``prenorm=True``.
 """
 
 from __future__ import annotations
+
+import argparse
+import csv
+import importlib
+import json
+import math
+import os
+import shlex
+import sys
+import time
+import zlib
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import normkit
-from normkit.testing import assert_close, reference_results, softmax_reference
+from normkit import reference as ref_impl
+from normkit.testing import (
+    _softmax_bwd_reference,
+    add_norm_reference,
+    assert_close,
+    reference_results,
+    softmax_reference,
+)
 
-IMPLS = ("normkit", "torch", "torch.compile")
-DEFAULT_NS = [1024, 4096, 16384, 65536, 262144]
+IMPLS = ("normkit", "torch", "torch.compile", "liger", "quack")
+ROW_OPS = ("layer_norm", "rms_norm", "softmax", "log_softmax", "add_layer_norm", "add_rms_norm")
+IMAGE_OPS = ("group_norm", "batch_norm")
+DIM0_OPS = ("softmax_dim0", "log_softmax_dim0")
+OPS = ROW_OPS + IMAGE_OPS + DIM0_OPS
+DTYPES = ("float16", "bfloat16", "float32")
+SUITES = ("sweep", "small", "few", "image", "dim0")
+
+UNITS = {  # (forward, backward) bytes moved, in units of the input tensor's bytes (see module doc)
+    "layer_norm": (2, 3), "rms_norm": (2, 3), "softmax": (2, 3), "log_softmax": (2, 3),
+    "add_layer_norm": (4, 4), "add_rms_norm": (4, 4), "group_norm": (2, 3), "batch_norm": (2, 3),
+    "softmax_dim0": (2, 3), "log_softmax_dim0": (2, 3),
+}  # fmt: skip
+
+TOTAL = 1 << 27  # elements per row-op tensor
+SWEEP_NS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
+SMALL_NS = (64, 128, 256, 512)
+FEW_MS, FEW_NS = (1, 16, 128), (4096, 8192)
+IMAGE_SHAPES = ((32, 256, 56, 56), (16, 512, 28, 28), (8, 128, 112, 112))  # (N, C, H, W)
+DIM0_NS = (1024, 4096, 32768)
+GROUPS = 32  # group_norm's num_groups
+EPS = 1e-5
+DEFAULT_NS = list(SWEEP_NS)  # kept for ci/ scripts
+RESULTS = "results.json"
+FORMAT = "normkit-bench/1"
+
+# Which ops Liger-Kernel and quack implement here (normkit, torch and torch.compile: all of them).
+SERVES = {
+    "liger": {"layer_norm", "rms_norm", "softmax", "add_rms_norm", "group_norm"},
+    "quack": {"rms_norm", "softmax", "add_rms_norm"},
+}
+IMPORTS = {"liger": "liger_kernel", "quack": "quack"}
+
+
+class UsageError(Exception):
+    """A bad combination of arguments: printed, exit status 2."""
+
+
+# --- cases ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    """One (op, dtype, tensor shape), listed under the first suite that asked for it."""
+
+    suite: str
+    op: str
+    dtype: str
+    shape: tuple[int, ...]  # rows (M, N); dim0: (N, M), reduced along dim 0; image: (N, C, H, W)
+
+    @property
+    def label(self) -> str:
+        return "x".join(map(str, self.shape))
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def n(self) -> int:
+        """Length of one reduction (row length; dim 0; a group's or a channel's element count)."""
+        if self.op == "group_norm":
+            return self.shape[1] // GROUPS * math.prod(self.shape[2:])
+        if self.op == "batch_norm":
+            return self.shape[0] * math.prod(self.shape[2:])
+        return self.shape[0] if self.op in DIM0_OPS else self.shape[-1]
+
+    @property
+    def m(self) -> int:
+        return self.numel // self.n
+
+    def bytes(self) -> tuple[int, int]:
+        elt = torch.finfo(getattr(torch, self.dtype)).bits // 8
+        return tuple(u * self.numel * elt for u in UNITS[self.op])
+
+
+def _suite_shapes(suite, ns, quick):
+    """(ops, shapes) of one suite; ``ns`` overrides the row lengths of the N-swept suites."""
+    if suite == "image":
+        return IMAGE_OPS, IMAGE_SHAPES[:1] if quick else IMAGE_SHAPES
+    default = {"sweep": SWEEP_NS, "small": SMALL_NS, "few": FEW_NS, "dim0": DIM0_NS}[suite]
+    ns = ns or ([{"sweep": 4096, "small": 256, "few": 4096, "dim0": 4096}[suite]] if quick else default)
+    if suite == "few":
+        return ROW_OPS, [(m, n) for m in ((16,) if quick else FEW_MS) for n in ns]
+    if suite == "dim0":
+        return DIM0_OPS, [(n, max(1, TOTAL // n)) for n in ns]
+    return ROW_OPS, [(max(1, TOTAL // n), n) for n in ns]
+
+
+def plan(suites=SUITES, ops=None, dtypes=None, ns=None, quick=False) -> list[Case]:
+    """The cases of ``suites`` (op-major, then dtype, then shape); a repeated (op, dtype, shape) once."""
+    dtypes = dtypes or (["bfloat16"] if quick else list(DTYPES))
+    cases, seen = [], set()
+    for suite in suites:
+        suite_ops, shapes = _suite_shapes(suite, ns, quick)
+        for op in suite_ops:
+            if ops and op not in ops:
+                continue
+            for dtype in dtypes:
+                for shape in shapes:
+                    if (op, dtype, shape) not in seen:
+                        seen.add((op, dtype, shape))
+                        cases.append(Case(suite, op, dtype, tuple(shape)))
+    return cases
+
+
+def shard(cases, spec):
+    """Every K-th case from the I-th (``spec`` = (I, K), 1-based): K invocations cover all cases."""
+    i, k = spec
+    return cases[i - 1 :: k]
+
+
+# --- argument types (used by the CLI) ------------------------------------------------------------
+
+
+def comma_list(choices, what):
+    """argparse type: a comma-separated list whose items must be in ``choices``."""
+
+    def parse(text):
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        bad = [t for t in items if t not in choices]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(bad) or repr(text)}; "
+                                             f"choose from {','.join(choices)}")
+        return items
+
+    return parse
+
+
+def int_list(text):
+    """argparse type: comma-separated positive ints."""
+    try:
+        values = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return values
+
+
+def shard_spec(text):
+    """argparse type: I/K with 1 <= I <= K."""
+    try:
+        i, k = (int(t) for t in text.split("/"))
+    except ValueError:
+        i = k = 0
+    if not 1 <= i <= k:
+        raise argparse.ArgumentTypeError(f"expected I/K with 1 <= I <= K (e.g. 2/4), got {text!r}")
+    return i, k
+
+
+# --- implementations ------------------------------------------------------------------------------
+
+
+def available_impls() -> dict[str, str]:
+    """{impl: "" if importable else the reason}; imports Liger-Kernel / quack to find out."""
+    status = {impl: "" for impl in IMPLS}
+    for impl, module in IMPORTS.items():
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # ImportError, or a dependency failing at import
+            status[impl] = f"{module} not importable ({type(exc).__name__}: {exc})"
+    return status
+
+
+def serves(impl, op) -> bool:
+    return op in SERVES.get(impl, OPS)
+
+
+def _api_forward(ns, op):
+    """fn(inputs) -> outputs for a torch.nn.functional-like namespace (F or normkit)."""
+    if op in ("softmax", "log_softmax") or op in DIM0_OPS:
+        fn, dim = getattr(ns, op.removesuffix("_dim0")), 0 if op in DIM0_OPS else -1
+        return lambda i: (fn(i["x"], dim),)
+    if op == "layer_norm":
+        return lambda i: (ns.layer_norm(i["x"], i["x"].shape[-1:], i["weight"], i["bias"], EPS),)
+    if op == "rms_norm":
+        return lambda i: (ns.rms_norm(i["x"], i["x"].shape[-1:], i["weight"], EPS),)
+    if op == "group_norm":
+        return lambda i: (ns.group_norm(i["x"], GROUPS, i["weight"], i["bias"], EPS),)
+    if op == "batch_norm":
+        return lambda i: (ns.batch_norm(i["x"], i["running_mean"], i["running_var"], i["weight"],
+                                        i["bias"], True, 0.1, EPS),)  # fmt: skip
+    if ns is normkit:  # the fused add-norm, both outputs
+        fn, params = getattr(normkit, op), ("weight", "bias") if op == "add_layer_norm" else ("weight",)
+        return lambda i: fn(i["x"], i["residual"], i["x"].shape[-1:], *(i[p] for p in params), eps=EPS,
+                            prenorm=True)  # fmt: skip
+    norm = _api_forward(ns, op.removeprefix("add_"))
+
+    def add_norm(i):
+        h = i["x"] + i["residual"]
+        return norm({**i, "x": h})[0], h
+
+    return add_norm
+
+
+def _liger_forward(op):
+    mod = importlib.import_module(f"liger_kernel.ops.{'fused_add_rms_norm' if op == 'add_rms_norm' else op}")
+    if op == "layer_norm":
+        return lambda i: (mod.LigerLayerNormFunction.apply(i["x"], i["weight"], i["bias"], EPS),)
+    if op == "rms_norm":  # offset 0, llama casting, in_place=False (in place would overwrite dy)
+        return lambda i: (mod.LigerRMSNormFunction.apply(i["x"], i["weight"], EPS, 0.0, "llama", False),)
+    if op == "add_rms_norm":
+        return lambda i: mod.LigerFusedAddRMSNormFunction.apply(i["x"], i["residual"], i["weight"], EPS, 0.0,
+                                                                "llama", False)  # fmt: skip
+    if op == "softmax":
+        return lambda i: (mod.LigerSoftmaxFunction.apply(i["x"]),)
+    return lambda i: (mod.LigerGroupNormFunction.apply(i["x"], i["weight"], i["bias"], i["x"].shape[1],
+                                                       GROUPS, EPS),)  # fmt: skip
+
+
+def _quack_forward(op):
+    if op == "softmax":
+        softmax = importlib.import_module("quack.softmax").softmax
+        return lambda i: (softmax(i["x"]),)
+    rmsnorm = importlib.import_module("quack.rmsnorm").rmsnorm
+    if op == "rms_norm":
+        return lambda i: (rmsnorm(i["x"], i["weight"], eps=EPS),)
+    return lambda i: rmsnorm(i["x"], i["weight"], residual=i["residual"], eps=EPS, prenorm=True)
+
+
+def forward_fn(impl, op):
+    """fn(inputs dict) -> tuple of outputs (y, or y and h for the add-norms)."""
+    if impl == "liger":
+        return _liger_forward(op)
+    if impl == "quack":
+        return _quack_forward(op)
+    fn = _api_forward(normkit if impl == "normkit" else F, op)
+    return torch.compile(fn, dynamic=False) if impl == "torch.compile" else fn
+
+
+# --- inputs and the fp64 reference ----------------------------------------------------------------
+
+
+def make_inputs(case, device) -> dict:
+    """Fresh random inputs (leaves requiring grad) and dy for one case."""
+    dtype = getattr(torch, case.dtype)
+    seed = zlib.crc32(f"{case.op} {case.dtype} {case.label}".encode())
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def rand(shape, scale=1.0, offset=0.0, grad=True):
+        t = torch.randn(shape, generator=g, device=device, dtype=dtype) * scale + offset
+        return t.requires_grad_(grad)
+
+    softmax = "softmax" in case.op
+    inp = dict(x=rand(case.shape, 3.0 if softmax else 1.0), dy=rand(case.shape, grad=False))
+    channels = case.shape[1] if case.op in IMAGE_OPS else case.shape[-1]
+    if not softmax:
+        inp["weight"] = rand((channels,), 0.5, 1.0)
+    if case.op in ("layer_norm", "add_layer_norm") or case.op in IMAGE_OPS:
+        inp["bias"] = rand((channels,), 0.5)
+    if case.op.startswith("add_"):
+        inp["residual"] = rand(case.shape)
+    if case.op == "batch_norm":  # training=True updates them in place on every call
+        inp["running_mean"] = torch.zeros(channels, device=device, dtype=dtype)
+        inp["running_var"] = torch.ones(channels, device=device, dtype=dtype)
+    return inp
+
+
+LEAVES = ("x", "weight", "bias", "residual")  # the float inputs gradients are taken for
+
+
+def leaves(inp):
+    return [inp[k] for k in LEAVES if k in inp]
+
+
+def reference(case, inp) -> dict:
+    """fp64 expected outputs (y, h) and gradients (dx, dweight, dbias, dresidual) of y's gradient."""
+    x, dy, w, b = inp["x"], inp["dy"], inp.get("weight"), inp.get("bias")
+    if case.op in ("layer_norm", "rms_norm"):
+        return reference_results(case.op, x, w, b, dy, x.shape[-1:], EPS)
+    if case.op.startswith("add_"):
+        return add_norm_reference(case.op, x, inp["residual"], w, b, dy, torch.zeros_like(dy), x.shape[-1:],
+                                  EPS, None, 0.0, x.dtype)  # fmt: skip
+    if "softmax" in case.op:
+        y, dx = softmax_reference(case.op.removesuffix("_dim0"), x, dy, 0 if case.op in DIM0_OPS else -1)
+        return dict(y=y, dx=dx)
+    n, c = x.shape[:2]
+    x3, dy3 = x.detach().double().reshape(n, c, -1), dy.double().reshape(n, c, -1)
+    w64, b64 = w.detach().double(), b.detach().double()
+    if case.op == "group_norm":
+        y, mean, rstd = ref_impl.group_norm_fwd(x3, w64, b64, GROUPS, EPS)
+        dx, dw, db = ref_impl.group_norm_bwd(dy3, x3, w64, mean, rstd, GROUPS, torch.float64)
+    else:
+        mean, var = ref_impl.batch_norm_stats(x3)
+        rstd = torch.rsqrt(var + EPS)
+        y = ref_impl.batch_norm_apply(x3, w64, b64, mean, rstd)
+        dx, dw, db = ref_impl.batch_norm_bwd(dy3, x3, w64, mean, rstd, True, torch.float64)
+    return dict(y=y.reshape(x.shape), dx=dx.reshape(x.shape), dweight=dw, dbias=db)
+
+
+def _check(name, got, expected, case, kind):
+    """assert_close against any of the ``expected`` candidates (AssertionError from the first)."""
+    dtype = getattr(torch, case.dtype)
+    rows = case.numel // got.numel() if kind == "param" else 1
+    errors = []
+    for exp in expected:
+        try:
+            return assert_close(got, exp.reshape(got.shape), dtype, kind, name, rows)
+        except AssertionError as exc:
+            errors.append(exc)
+    raise errors[0]
+
+
+def check_forward(case, outs, ref):
+    for name, got in zip(("y", "h"), outs):
+        _check(name, got, [ref[name]], case, "fwd")
+
+
+def check_backward(case, inp, outs, grads, ref):
+    for key, got in zip([k for k in LEAVES if k in inp], grads):
+        name = "d" + key
+        expected = [ref[name]]
+        if "softmax" in case.op:  # the contract: dx from the saved (rounded) y; fp64 y accepted too
+            dim = 0 if case.op in DIM0_OPS else -1
+            expected.insert(0, _softmax_bwd_reference(case.op.removesuffix("_dim0"), outs[0], inp["dy"], dim))
+        _check(name, got, expected, case, "param" if key in ("weight", "bias") else "bwd")
+
+
+# --- measuring ------------------------------------------------------------------------------------
+
+
+def do_bench_timer(warmup_ms=25, rep_ms=100):
+    """A timer(fn) -> ms: triton.testing.do_bench's median."""
+    from triton.testing import do_bench
+
+    return lambda fn: do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def _error(exc) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+def measure_row(case, impl, inp, ref, timer, copy) -> dict:
+    """One result row: check then time forward and backward of ``impl`` on ``case``."""
+    result = dict(fwd=("fail", None), bwd=("fail", None), error="")
+    try:
+        call = forward_fn(impl, case.op)
+        call_inp = lambda: call(inp)  # noqa: E731
+        outs = call_inp()
+    except Exception as exc:
+        return make_row(case, impl, copy, error=_error(exc))
+    try:
+        check_forward(case, outs, ref)
+        result["fwd"] = ("ok", timer(call_inp))
+    except AssertionError as exc:
+        result.update(fwd=("wrong", None), error=_error(exc))
+    except Exception as exc:
+        result["error"] = _error(exc)
+    try:
+        args = (outs[0], leaves(inp), inp["dy"])
+        grads = torch.autograd.grad(*args, retain_graph=True)
+        check_backward(case, inp, outs, grads, ref)
+        result["bwd"] = ("ok", timer(lambda: torch.autograd.grad(*args, retain_graph=True)))
+    except AssertionError as exc:
+        result["bwd"] = ("wrong", None)
+        result["error"] = result["error"] or _error(exc)
+    except Exception as exc:
+        result["error"] = result["error"] or _error(exc)
+    return make_row(case, impl, copy, result["fwd"], result["bwd"], result["error"])
+
+
+def make_row(case, impl, copy, fwd=("fail", None), bwd=("fail", None), error="") -> dict:
+    """A result row; GB/s from the ms and the op's byte count, fractions of ``copy`` GB/s."""
+    row = dict(suite=case.suite, op=case.op, dtype=case.dtype, shape=case.label, m=case.m, n=case.n,
+               impl=impl)  # fmt: skip
+    for (direction, (status, ms)), nbytes in zip((("fwd", fwd), ("bwd", bwd)), case.bytes()):
+        row[f"{direction}_status"], row[f"{direction}_ms"] = status, ms
+        row[f"{direction}_gbps"] = nbytes / ms / 1e6 if ms else None
+    row["copy_gbps"], row["error"] = copy, error
+    return with_fractions(row)
+
+
+def with_fractions(row) -> dict:
+    """The row with fwd_frac / bwd_frac = GB/s / the copy GB/s it was measured against."""
+    for d in ("fwd", "bwd"):
+        gbps = row.get(f"{d}_gbps")
+        row[f"{d}_frac"] = gbps / row["copy_gbps"] if gbps is not None and row.get("copy_gbps") else None
+    return row
 
 
 def copy_gbps(device, nbytes: int = 1 << 30) -> float:
@@ -29,93 +444,337 @@ def copy_gbps(device, nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / ms / 1e6
 
 
-UNITS = {  # (forward, backward) bytes moved, in M * N * elt
-    "layer_norm": (2, 3), "rms_norm": (2, 3), "softmax": (2, 3), "log_softmax": (2, 3),
-    "add_layer_norm": (4, 4), "add_rms_norm": (4, 4),
-}  # fmt: skip
-# normkit bench covers these row ops; group_norm / batch_norm benchmarks come with issue 4.
+def measure(impl, op, m, n, dtype, device="cuda"):
+    """(forward ms, backward ms) of one row op of M x N; raises when it fails or is wrong."""
+    case = Case("sweep", op, str(dtype).replace("torch.", ""), (m, n))
+    inp = make_inputs(case, device)
+    torch._dynamo.reset()
+    row = measure_row(case, impl, inp, reference(case, inp), do_bench_timer(), copy=None)
+    if row["fwd_status"] != "ok" or row["bwd_status"] != "ok":
+        raise RuntimeError(f"{impl} {op} {case.label}: {row['error']}")
+    return row["fwd_ms"], row["bwd_ms"]
 
 
-def _torch_op(op):
-    if op in ("softmax", "log_softmax"):
-        return getattr(F, op)
-    norm = F.layer_norm if op.endswith("layer_norm") else F.rms_norm
-    if not op.startswith("add_"):
-        return norm
+class _NoBar:
+    """Stands in for tqdm when it is not installed: one line per case instead of a bar."""
 
-    def add_norm(x, r, shape, *params_eps):
-        h = x + r
-        return norm(h, shape, *params_eps), h
+    def __init__(self, total):
+        self.n, self.total = 0, total
 
-    return add_norm
+    def update(self, k=1):
+        self.n += k
 
+    def set_description_str(self, text):
+        print(f"[{self.n}/{self.total}] {text}", file=sys.stderr, flush=True)
 
-def _call(impl, op, x, r, params, n):
-    """A zero-argument callable running one forward of ``op`` with ``impl``."""
-    if impl == "normkit":
-        fn = getattr(normkit, op)
-    else:
-        fn = _torch_op(op)
-        fn = torch.compile(fn) if impl == "torch.compile" else fn
-    if op in ("softmax", "log_softmax"):
-        return lambda: fn(x, -1)
-    if op.startswith("add_"):
-        if impl == "normkit":
-            return lambda: fn(x, r, (n,), *params, 1e-5, prenorm=True)
-        return lambda: fn(x, r, (n,), *params, 1e-5)
-    return lambda: fn(x, (n,), *params, 1e-5)
+    def write(self, text):
+        print(text, file=sys.stderr, flush=True)
+
+    def close(self):
+        pass
 
 
-def measure(impl, op, m, n, dtype, device):
-    """(forward ms, backward ms) of one implementation, after checking its output."""
-    from triton.testing import do_bench
-
-    torch._dynamo.reset()  # fresh compile per shape, so torch.compile never falls back to eager
-    g = torch.Generator(device=device).manual_seed(m + n)
-    x = torch.randn(m, n, device=device, dtype=dtype, generator=g).requires_grad_()
-    r = torch.randn(m, n, device=device, dtype=dtype, generator=g).requires_grad_()
-    w = (1 + 0.5 * torch.randn(n, device=device, dtype=dtype, generator=g)).requires_grad_()
-    b = (0.5 * torch.randn(n, device=device, dtype=dtype, generator=g)).requires_grad_()
-    dy = torch.randn(m, n, device=device, dtype=dtype, generator=g)
-    params = [] if "softmax" in op else [w, b] if op.endswith("layer_norm") else [w]
-    call = _call(impl, op, x, r, params, n)
-    out = call()
-    y = out[0] if op.startswith("add_") else out
-    leaves = [x, *params] + ([r] if op.startswith("add_") else [])
-    if "softmax" in op:
-        ref = softmax_reference(op, x, dy, -1)[0]
-    else:
-        bias = b if op.endswith("layer_norm") else None
-        h = (x + r) if op.startswith("add_") else x
-        ref = reference_results(op.removeprefix("add_"), h, w, bias, dy, (n,), 1e-5)["y"]
-    assert_close(y, ref, dtype, "fwd", f"{impl} {op} y")
-    fwd = do_bench(call, warmup=25, rep=100, return_mode="median")
-    bwd = do_bench(lambda: torch.autograd.grad(y, leaves, dy, retain_graph=True),
-                   warmup=25, rep=100, return_mode="median")  # fmt: skip
-    return fwd, bwd
+def progress(total):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar(total)
+    return tqdm(total=total, unit="run", file=sys.stderr, dynamic_ncols=True)
 
 
-def run(ops, ns, dtype, total_elements=1 << 27, device="cuda", impls=IMPLS):
-    """Rows of (op, dtype, N, impl, fwd GB/s, fwd / copy, bwd GB/s, bwd / copy) plus the copy GB/s."""
-    copy = copy_gbps(device)
-    elt = torch.finfo(dtype).bits // 8
-    rows = []
-    for op in ops:
-        for n in ns:
-            m = max(1, total_elements // n)
-            for impl in impls:
-                fwd, bwd = measure(impl, op, m, n, dtype, device)
-                f_units, b_units = UNITS[op]
-                f_gbps, b_gbps = f_units * m * n * elt / fwd / 1e6, b_units * m * n * elt / bwd / 1e6
-                rows.append((op, str(dtype).replace("torch.", ""), n, impl,
-                             f_gbps, f_gbps / copy, b_gbps, b_gbps / copy))  # fmt: skip
-    return copy, rows
+def run(cases, impls, device="cuda", timer=None, copy=None, done=(), on_row=None):
+    """Measure every (case, impl) not in ``done`` (keys of :func:`row_key`).
+
+    Returns (rows, {suite: seconds}). ``on_row(row)`` is called after each measurement.
+    """
+    timer = timer or do_bench_timer()
+    todo = [(c, [i for i in impls if serves(i, c.op) and row_key(c, i) not in done]) for c in cases]
+    todo = [(c, todo_impls) for c, todo_impls in todo if todo_impls]
+    bar = progress(sum(len(i) for _, i in todo))
+    rows, sections = [], {}
+    try:
+        for suite in dict.fromkeys(c.suite for c, _ in todo):
+            start = time.perf_counter()
+            for case, case_impls in (t for t in todo if t[0].suite == suite):
+                bar.set_description_str(f"{suite} {case.op} {case.dtype} {case.label}")
+                inp = make_inputs(case, device)
+                ref = reference(case, inp)
+                for impl in case_impls:
+                    torch._dynamo.reset()
+                    rows.append(measure_row(case, impl, inp, ref, timer, copy))
+                    if on_row:
+                        on_row(rows[-1])
+                    bar.update(1)
+                del inp, ref
+            sections[suite] = time.perf_counter() - start
+            bar.write(f"section {suite}: {sections[suite]:.1f}s")
+    finally:
+        bar.close()
+    return rows, sections
 
 
-def format_table(copy, rows) -> str:
-    lines = [f"device copy: {copy:.0f} GB/s (read + write)",
-             f"{'op':14s} {'dtype':9s} {'N':>8s} {'impl':14s} {'fwd GB/s':>9s} {'fwd/copy':>8s} "
-             f"{'bwd GB/s':>9s} {'bwd/copy':>8s}"]  # fmt: skip
-    for op, dt, n, impl, fg, ff, bg, bf in rows:
-        lines.append(f"{op:14s} {dt:9s} {n:8d} {impl:14s} {fg:9.0f} {ff:8.2f} {bg:9.0f} {bf:8.2f}")
+# --- results: JSON, CSV, merge, table, plots ------------------------------------------------------
+
+CSV_FIELDS = ("suite", "op", "dtype", "shape", "m", "n", "impl", "fwd_status", "fwd_ms", "fwd_gbps",
+              "fwd_frac", "bwd_status", "bwd_ms", "bwd_gbps", "bwd_frac", "copy_gbps", "error")  # fmt: skip
+
+
+def row_key(case_or_row, impl=None):
+    """(op, dtype, shape, impl): what identifies a measurement across parts."""
+    if isinstance(case_or_row, Case):
+        return case_or_row.op, case_or_row.dtype, case_or_row.label, impl
+    r = case_or_row
+    return r["op"], r["dtype"], r["shape"], r["impl"]
+
+
+def metadata(device, copy, args_summary) -> dict:
+    """What a run was measured on, and how."""
+    import triton
+
+    props = torch.cuda.get_device_properties(device)
+    return dict(gpu=props.name, sm_count=props.multi_processor_count, torch=torch.__version__,
+                cuda=torch.version.cuda, triton=triton.__version__, normkit=normkit.__version__,
+                date=datetime.now(timezone.utc).isoformat(timespec="seconds"), copy_gbps=copy,
+                command="normkit " + shlex.join(sys.argv[1:]), **args_summary)  # fmt: skip
+
+
+def write_json(path, parts, rows):
+    """{"format", "parts": [metadata of each run], "rows": [...]}, written atomically."""
+    path = Path(path)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(dict(format=FORMAT, parts=parts, rows=[with_fractions(r) for r in rows]),
+                              indent=1))  # fmt: skip
+    os.replace(tmp, path)
+
+
+def read_json(path):
+    """(parts, rows) of a results file, or of DIR/results.json."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / RESULTS
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"cannot read results from {path}: {exc}") from None
+    if data.get("format") != FORMAT:
+        raise UsageError(f"{path} is not a normkit bench results file (format {data.get('format')!r})")
+    return data["parts"], [with_fractions(r) for r in data["rows"]]
+
+
+def merge(sources):
+    """(parts, rows) of several results: parts concatenated; a row measured again replaces the older."""
+    parts, rows = [], {}
+    for src in sources:
+        p, r = read_json(src)
+        parts += p
+        rows.update((row_key(row), row) for row in r)
+    return parts, list(rows.values())
+
+
+def write_csv(path, rows):
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, CSV_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: "" if v is None else v for k, v in with_fractions(row).items()})
+
+
+def _cell(row, direction):
+    if row is None:
+        return "-"
+    status = row[f"{direction}_status"]
+    if status != "ok":
+        return status
+    return f"{row[f'{direction}_gbps']:.0f} {row[f'{direction}_frac']:.2f}"
+
+
+def format_table(parts, rows) -> str:
+    """One line per case; per implementation, forward and backward as 'GB/s fraction-of-copy'."""
+    lines = [f"copy {p['copy_gbps']:.0f} GB/s (read + write) on {p['gpu']} ({p['sm_count']} SMs), "
+             f"torch {p['torch']}, triton {p['triton']}, {p['date']}" for p in parts]  # fmt: skip
+    lines.append("cells: GB/s and fraction of copy; fail = raised, wrong = off the fp64 reference, "
+                 "- = not implemented")  # fmt: skip
+    impls = [i for i in IMPLS if any(r["impl"] == i for r in rows)]
+    cases = {}
+    for r in rows:
+        cases.setdefault((r["suite"], r["op"], r["dtype"], r["shape"]), {})[r["impl"]] = r
+    header = ["suite", "op", "dtype", "shape"] + [f"{i} {d}" for i in impls for d in ("fwd", "bwd")]
+    body = [list(key) + [_cell(by_impl.get(i), d) for i in impls for d in ("fwd", "bwd")]
+            for key, by_impl in cases.items()]  # fmt: skip
+    widths = [max(len(r[c]) for r in [header] + body) for c in range(len(header))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header] + body]
+    problems = [r for r in rows if r["error"]]
+    if problems:
+        lines.append("\nfailures:")
+        lines += [f"  {r['impl']} {r['op']} {r['dtype']} {r['shape']}: fwd {r['fwd_status']}, bwd "
+                  f"{r['bwd_status']}: {r['error']}" for r in problems]  # fmt: skip
     return "\n".join(lines)
+
+
+def _plot_groups(rows):
+    """{(op, dtype, file suffix): (x label, [(series, x, row)])}: one figure each."""
+    groups = {}
+    for r in rows:
+        if r["op"] in IMAGE_OPS:
+            key, xlabel, series, x = "", "shape (N, C, H, W)", r["impl"], r["shape"]
+        elif r["suite"] == "few":
+            key, xlabel, series, x = "-few", "rows M", f"{r['impl']} N={r['n']}", r["m"]
+        else:
+            key, xlabel, series, x = "", "N (reduced dim 0)" if r["op"] in DIM0_OPS else "N (row length)", \
+                r["impl"], r["n"]  # fmt: skip
+        groups.setdefault((r["op"], r["dtype"], key), (xlabel, []))[1].append((series, x, r))
+    return groups
+
+
+LINESTYLES = ("-", "--", ":", "-.")  # the few suite: one per N
+
+
+def _colour(impl):
+    """An implementation keeps its colour in every figure."""
+    return f"C{IMPLS.index(impl) if impl in IMPLS else len(IMPLS)}"
+
+
+def write_plots(out_dir, rows) -> list[Path]:
+    """GB/s vs N per (op, dtype): forward and backward panels, a line per implementation, copy dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for (op, dtype, suffix), (xlabel, points) in _plot_groups(rows).items():
+        categorical = isinstance(points[0][1], str)
+        xs = list(dict.fromkeys(p[1] for p in points)) if categorical else sorted({p[1] for p in points})
+        ns = sorted({r["n"] for _, _, r in points})
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+        for ax, direction in zip(axes, ("fwd", "bwd")):
+            for series in dict.fromkeys(p[0] for p in points):
+                got = {x: r for s, x, r in points if s == series}
+                first = next(iter(got.values()))
+                style = LINESTYLES[ns.index(first["n"]) % len(LINESTYLES)] if suffix == "-few" else "-"
+                ys = [got[x][f"{direction}_gbps"] if x in got else None for x in xs]
+                ax.plot(range(len(xs)) if categorical else xs, [math.nan if y is None else y for y in ys],
+                        marker="o", label=series, linestyle=style, color=_colour(first["impl"]))
+            for copy in sorted({round(r["copy_gbps"]) for _, _, r in points if r.get("copy_gbps")}):
+                ax.axhline(copy, linestyle="--", color="gray", label=f"copy {copy} GB/s")
+            if categorical:
+                ax.set_xticks(range(len(xs)), xs)
+            else:
+                ax.set_xscale("log", base=2)
+            ax.set_ylim(bottom=0)
+            ax.set_title(f"{op} {dtype} {'forward' if direction == 'fwd' else 'backward'}")
+            ax.set_xlabel(xlabel)
+            ax.grid(True, alpha=0.3)
+        axes[0].set_ylabel("GB/s")
+        axes[1].legend(fontsize="small")
+        fig.tight_layout()
+        paths.append(out_dir / f"{op}-{dtype}{suffix}.png")
+        fig.savefig(paths[-1], dpi=100)
+        plt.close(fig)
+    return paths
+
+
+def write_outputs(out_dir, parts, rows) -> str:
+    """results.json, results.csv, table.txt and plots/ in ``out_dir``; returns what was written."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_json(out_dir / RESULTS, parts, rows)
+    write_csv(out_dir / "results.csv", rows)
+    (out_dir / "table.txt").write_text(format_table(parts, rows) + "\n")
+    written = f"{out_dir}/{{{RESULTS}, results.csv, table.txt}}"
+    try:
+        plots = write_plots(out_dir / "plots", rows)
+    except ImportError:
+        return written + "; no plots: matplotlib is not installed (pip install 'normkit[bench]')"
+    return written + f" and {len(plots)} plots in {out_dir / 'plots'}"
+
+
+# --- the command ----------------------------------------------------------------------------------
+
+
+def _exit_status(rows) -> int:
+    return 1 if any("wrong" in (r["fwd_status"], r["bwd_status"]) for r in rows) else 0
+
+
+def _merge_command(args) -> int:
+    parts, rows = merge(args.merge)
+    print(format_table(parts, rows))
+    if args.out:
+        print(write_outputs(args.out, parts, rows), file=sys.stderr)
+    return _exit_status(rows)
+
+
+def _impls(requested) -> list[str]:
+    status = available_impls()
+    if requested:
+        missing = [f"{i}: {status[i]}" for i in requested if status[i]]
+        if missing:
+            raise UsageError("requested implementations are unavailable: " + "; ".join(missing))
+        return list(requested)
+    for impl, reason in status.items():
+        if reason:
+            print(f"normkit bench: skipping {impl}: {reason}", file=sys.stderr)
+    return [i for i in IMPLS if not status[i]]
+
+
+def command(args) -> int:
+    """`normkit bench` (see the CLI's help): exit 0, 1 if any result is wrong, 2 on a usage error."""
+    try:
+        if args.merge:
+            return _merge_command(args)
+        return _bench_command(args)
+    except UsageError as exc:
+        print(f"normkit bench: {exc}", file=sys.stderr)
+        return 2
+
+
+def _bench_command(args) -> int:
+    cases = plan(args.suite or SUITES, args.ops, args.dtypes, args.n, args.quick)
+    if not cases:
+        raise UsageError(f"no cases: --ops {','.join(args.ops or [])} is in none of the suites "
+                         f"{','.join(args.suite or SUITES)} (image: {','.join(IMAGE_OPS)}; dim0: "
+                         f"{','.join(DIM0_OPS)}; the others: {','.join(ROW_OPS)})")  # fmt: skip
+    if args.shard:
+        cases = shard(cases, args.shard)
+    if args.list:
+        for c in cases:
+            print(f"{c.suite:6s} {c.op:16s} {c.dtype:9s} {c.label}")
+        print(f"{len(cases)} cases", file=sys.stderr)
+        return 0
+    if args.resume and not args.out:
+        raise UsageError("--resume needs --out DIR (the directory whose results it continues)")
+    if not torch.cuda.is_available():
+        print("normkit bench: needs a CUDA GPU (torch.cuda.is_available() is False); --list shows the "
+              "cases and --merge works without one", file=sys.stderr)  # fmt: skip
+        return 2
+    impls = _impls(args.impls)
+    parts, old_rows = read_json(args.out) if args.resume and (Path(args.out) / RESULTS).exists() else ([], [])
+    device = torch.device("cuda", torch.cuda.current_device())
+    copy = copy_gbps(device)
+    summary = dict(suites=args.suite or list(SUITES), dtypes=sorted({c.dtype for c in cases}), impls=impls,
+                   warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
+                   shard="/".join(map(str, args.shard)) if args.shard else None)  # fmt: skip
+    part = metadata(device, copy, summary)
+    parts.append(part)
+    print(f"normkit bench: {len(cases)} cases x {', '.join(impls)} on {part['gpu']}; copy {copy:.0f} GB/s",
+          file=sys.stderr)  # fmt: skip
+    new_rows, start = [], time.perf_counter()
+
+    def save(row):
+        new_rows.append(row)
+        if args.out:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            write_json(Path(args.out) / RESULTS, parts, old_rows + new_rows)
+
+    _, part["sections"] = run(cases, impls, device, do_bench_timer(args.warmup_ms, args.rep_ms), copy,
+                              {row_key(r) for r in old_rows}, save)  # fmt: skip
+    part["elapsed_s"] = time.perf_counter() - start
+    rows = old_rows + new_rows
+    print(format_table(parts, rows))
+    sections = ", ".join(f"{s} {t:.0f}s" for s, t in part["sections"].items())
+    print(f"\n{len(new_rows)} measurements in {part['elapsed_s']:.0f}s ({sections or 'nothing to do'})")
+    if args.out:
+        print(write_outputs(args.out, parts, rows), file=sys.stderr)
+    return _exit_status(rows)

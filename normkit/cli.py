@@ -14,7 +14,6 @@ import time
 
 OPS = ("layer_norm", "rms_norm", "softmax", "log_softmax", "add_layer_norm", "add_rms_norm",
        "group_norm", "batch_norm")
-BENCH_OPS = OPS[:6]  # the row ops `normkit bench` times (GroupNorm / BatchNorm: issue 4)
 DEVICE_SHAPES = [(1, 1), (3, 7), (128, 1023), (1151, 1024), (64, 4096), (3, 40999), (2, 1 << 20)]
 INTERPRETER_SHAPES = [(1, 1), (3, 7), (130, 1023), (2, 4096), (2, 40999)]
 
@@ -135,17 +134,71 @@ def cmd_info(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    import torch
-
     from normkit import bench
 
-    if not torch.cuda.is_available():
-        print("normkit bench: needs a CUDA GPU (none available)", file=sys.stderr)
-        return 1
-    ns = [int(v) for v in args.n.split(",")] if args.n else ([4096] if args.quick else bench.DEFAULT_NS)
-    copy, rows = bench.run(args.ops.split(","), ns, getattr(torch, args.dtype))
-    print(bench.format_table(copy, rows))
-    return 0
+    return bench.command(args)
+
+
+BENCH_EPILOG = """\
+suites (default: all):
+  sweep  row ops, N = 1024 ... 262144 (powers of 2), M = 2^27 // N
+  small  row ops, N = 64, 128, 256, 512, M = 2^27 // N
+  few    row ops, M = 1, 16, 128 rows of N = 4096, 8192 (inference; small tensors on purpose)
+  image  group_norm (32 groups), batch_norm (training, running stats) on (N, C, H, W) =
+         32x256x56x56, 16x512x28x28, 8x128x112x112
+  dim0   softmax_dim0, log_softmax_dim0: softmax along dim 0 of a contiguous (N, M) tensor,
+         N = 1024, 4096, 32768, M = 2^27 // N
+--quick: sweep N=4096, small N=256, few 16x4096, the first image shape, dim0 N=4096; bfloat16.
+
+Every result is checked against the fp64 reference before it is timed: `fail` = the
+implementation raised, `wrong` = output or gradient off the reference (exit status 1 after the
+sweep). Exit 2: no CUDA GPU, or bad arguments.
+
+Splitting a long run (e.g. a 10-minute limit per command) and merging the parts:
+  normkit bench --shard 1/4 --out part1     # ... up to --shard 4/4 --out part4
+  normkit bench --merge part1,part2,part3,part4 --out all
+or re-run one command until it has done everything (results are saved after each measurement):
+  normkit bench --out all --resume
+"""
+
+
+def add_bench_parser(sub):
+    """The `normkit bench` subcommand and its arguments."""
+    from normkit import bench
+
+    p = sub.add_parser(
+        "bench", help="GB/s and fraction of copy: normkit vs torch vs torch.compile (+ Liger, quack) (CUDA)",
+        description=bench.__doc__.split("\n\n")[0], epilog=BENCH_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    p.add_argument("--suite", type=bench.comma_list(bench.SUITES, "suite"), metavar="LIST",
+                   help=f"comma-separated suites from {','.join(bench.SUITES)} (default: all)")
+    p.add_argument("--ops", type=bench.comma_list(bench.OPS, "op"), metavar="LIST",
+                   help=f"only these ops (default: all of the suites'): {','.join(bench.OPS)}")
+    p.add_argument("--dtypes", "--dtype", type=bench.comma_list(bench.DTYPES, "dtype"), metavar="LIST",
+                   help=f"comma-separated dtypes (default: {','.join(bench.DTYPES)}; --quick: bfloat16)")
+    p.add_argument("--n", type=bench.int_list, metavar="LIST",
+                   help="row lengths N for the sweep, small, few and dim0 suites (M = 2^27 // N; few keeps "
+                        "its M)")
+    p.add_argument("--impls", type=bench.comma_list(bench.IMPLS, "implementation"), metavar="LIST",
+                   help=f"implementations (default: those importable of {','.join(bench.IMPLS)})")
+    p.add_argument("--quick", action="store_true", help="one small subset of each suite, bfloat16")
+    p.add_argument("--out", metavar="DIR",
+                   help="write results.json, results.csv, table.txt and plots/*.png here (default: none)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep DIR's results and measure only the (case, implementation) pairs not there")
+    p.add_argument("--shard", type=bench.shard_spec, metavar="I/K",
+                   help="run every K-th case from the I-th, so K invocations cover the plan")
+    p.add_argument("--merge", type=lambda s: [t for t in s.split(",") if t], metavar="DIRS",
+                   help="merge the results.json of these comma-separated DIRs (or .json files) into one "
+                        "table (and --out DIR set); measures nothing, needs no GPU")
+    p.add_argument("--list", action="store_true", help="print the cases and exit (needs no GPU)")
+    p.add_argument("--rep-ms", type=float, default=100, metavar="MS",
+                   help="do_bench: time to spend timing each measurement (default: 100)")
+    p.add_argument("--warmup-ms", type=float, default=25, metavar="MS",
+                   help="do_bench: warm-up time before each measurement (default: 25)")
+    p.set_defaults(fn=cmd_bench)
+    return p
 
 
 def main(argv=None) -> int:
@@ -163,15 +216,7 @@ def main(argv=None) -> int:
                        help="run both backends' Triton kernels on CPU tensors through the Triton interpreter")
     check.add_argument("--quick", action="store_true", help="only the first three shapes")
     check.set_defaults(fn=cmd_check)
-    bench = sub.add_parser(
-        "bench", help="GB/s and fraction of copy: normkit vs torch vs torch.compile (CUDA)"
-    )
-    bench.add_argument("--ops", default=",".join(BENCH_OPS),
-                       help=f"comma-separated ops (default: {','.join(BENCH_OPS)})")
-    bench.add_argument("--n", help="comma-separated row lengths N (M = 2^27 / N)")
-    bench.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"])
-    bench.add_argument("--quick", action="store_true", help="N = 4096 only")
-    bench.set_defaults(fn=cmd_bench)
+    add_bench_parser(sub)
     args = parser.parse_args(argv)
     return args.fn(args)
 

@@ -1,0 +1,342 @@
+"""`normkit bench` without timing: case plans, arguments, byte counts, result files, merge, table,
+plots, and the check-then-time loop on CPU tensors with a stand-in timer."""
+
+import argparse
+import csv
+import json
+import math
+
+import pytest
+import torch
+
+from normkit import bench, cli
+
+# The fewest bytes each op must move, in units of its input tensor (the module docstring's table).
+EXPECTED_UNITS = {
+    "layer_norm": (2, 3), "rms_norm": (2, 3), "softmax": (2, 3), "log_softmax": (2, 3),
+    "add_layer_norm": (4, 4), "add_rms_norm": (4, 4), "group_norm": (2, 3), "batch_norm": (2, 3),
+    "softmax_dim0": (2, 3), "log_softmax_dim0": (2, 3),
+}  # fmt: skip
+
+
+def parse(*argv):
+    parser = argparse.ArgumentParser(prog="normkit")
+    cli.add_bench_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["bench", *argv])
+
+
+def plan(*argv):
+    args = parse(*argv)
+    return bench.plan(args.suite or bench.SUITES, args.ops, args.dtypes, args.n, args.quick)
+
+
+def make_rows(copy, fwd_ms=1.0, suite="sweep", impls=("normkit", "torch")):
+    cases = [bench.Case(suite, "rms_norm", "bfloat16", ((1 << 27) // n, n)) for n in (1024, 4096)]
+    ok = (("ok", fwd_ms), ("ok", 2 * fwd_ms))
+    return [bench.make_row(c, impl, copy, *ok) for c in cases for impl in impls]
+
+
+def meta(copy, gpu="NVIDIA H100 80GB HBM3"):
+    return dict(gpu=gpu, sm_count=132, torch="2.11.0", triton="3.6.0", date="2026-01-01T00:00:00+00:00",
+                copy_gbps=copy, command="normkit bench")  # fmt: skip
+
+
+# --- byte counts ----------------------------------------------------------------------------------
+
+
+def test_units_cover_every_op():
+    assert bench.UNITS == EXPECTED_UNITS
+    assert set(bench.OPS) == set(EXPECTED_UNITS)
+
+
+@pytest.mark.parametrize("op", sorted(EXPECTED_UNITS))
+@pytest.mark.parametrize("dtype,elt", [("float16", 2), ("bfloat16", 2), ("float32", 4)])
+def test_bytes_per_op(op, dtype, elt):
+    shape = (8, 64, 4, 4) if op in bench.IMAGE_OPS else (16, 256)
+    case = bench.Case("s", op, dtype, shape)
+    fwd, bwd = EXPECTED_UNITS[op]
+    assert case.bytes() == (fwd * math.prod(shape) * elt, bwd * math.prod(shape) * elt)
+    assert case.m * case.n == math.prod(shape)
+
+
+def test_reduction_lengths():
+    assert bench.Case("sweep", "rms_norm", "float32", (32, 4096)).n == 4096
+    assert bench.Case("dim0", "softmax_dim0", "float32", (1024, 131072)).n == 1024  # along dim 0
+    assert bench.Case("image", "group_norm", "float32", (32, 256, 56, 56)).n == 256 // 32 * 56 * 56
+    assert bench.Case("image", "batch_norm", "float32", (32, 256, 56, 56)).n == 32 * 56 * 56
+
+
+def test_gbps_and_fraction():
+    row = bench.make_row(bench.Case("sweep", "add_rms_norm", "bfloat16", (1024, 1024)), "normkit", 3000.0,
+                         ("ok", 0.5), ("wrong", None), "dx off")  # fmt: skip
+    assert row["fwd_gbps"] == pytest.approx(4 * 1024 * 1024 * 2 / 0.5 / 1e6)
+    assert row["fwd_frac"] == pytest.approx(row["fwd_gbps"] / 3000.0)
+    assert row["bwd_gbps"] is None and row["bwd_frac"] is None and row["bwd_status"] == "wrong"
+
+
+# --- plans and arguments --------------------------------------------------------------------------
+
+
+def test_default_plan_covers_every_suite():
+    cases = plan()
+    assert len({(c.op, c.dtype, c.shape) for c in cases}) == len(cases)
+    by_suite = {s: [c for c in cases if c.suite == s] for s in bench.SUITES}
+    assert {c.shape[1] for c in by_suite["sweep"]} == set(bench.SWEEP_NS)
+    assert all(c.m * c.n == 1 << 27 for c in by_suite["sweep"] + by_suite["small"] + by_suite["dim0"])
+    assert {c.shape for c in by_suite["small"]} == {((1 << 27) // n, n) for n in (64, 128, 256, 512)}
+    assert {c.shape for c in by_suite["few"]} == {(m, n) for m in (1, 16, 128) for n in (4096, 8192)}
+    assert {c.shape for c in by_suite["image"]} == set(bench.IMAGE_SHAPES)
+    assert {c.op for c in by_suite["image"]} == {"group_norm", "batch_norm"}
+    assert {c.shape[0] for c in by_suite["dim0"]} == {1024, 4096, 32768}
+    assert {c.dtype for c in cases} == {"float16", "bfloat16", "float32"}
+    assert len(cases) == 3 * (6 * 9 + 6 * 4 + 6 * 6 + 2 * 3 + 2 * 3)
+
+
+def test_quick_is_a_small_bf16_subset_of_each_suite():
+    cases = plan("--quick")
+    assert {c.suite for c in cases} == set(bench.SUITES)
+    assert {c.dtype for c in cases} == {"bfloat16"}
+    assert {c.shape for c in cases if c.suite == "sweep"} == {((1 << 27) // 4096, 4096)}
+    assert len({c.shape for c in cases if c.suite == "image"}) == 1
+    assert len(cases) < 30
+
+
+def test_suite_dtypes_ops_n():
+    cases = plan("--suite", "sweep,dim0", "--dtypes", "float16,float32", "--n", "1024,2048")
+    assert {c.suite for c in cases} == {"sweep", "dim0"}
+    assert {c.dtype for c in cases} == {"float16", "float32"}
+    assert {c.n for c in cases} == {1024, 2048}
+    assert plan("--dtype", "float32", "--quick")[0].dtype == "float32"  # --dtype: old spelling
+    cases = plan("--ops", "rms_norm,batch_norm")
+    assert {c.op for c in cases} == {"rms_norm", "batch_norm"}
+
+
+def test_repeated_shapes_run_once():
+    cases = plan("--suite", "sweep,small", "--n", "4096", "--dtypes", "bfloat16")
+    assert [c.suite for c in cases] == ["sweep"] * 6
+
+
+@pytest.mark.parametrize("argv", [["--dtypes", "bf16"], ["--suite", "big"], ["--ops", "norm"],
+                                  ["--n", "0"], ["--n", "x"], ["--shard", "3/2"], ["--impls", "apex"]])
+def test_bad_arguments_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse(*argv)
+    assert exc.value.code == 2
+    assert "argument" in capsys.readouterr().err
+
+
+def test_shards_cover_the_plan_once():
+    cases = plan()
+    parts = [bench.shard(cases, (i, 5)) for i in range(1, 6)]
+    assert sorted(sum(parts, []), key=cases.index) == cases
+    assert max(map(len, parts)) - min(map(len, parts)) <= 1
+
+
+def test_list_needs_no_gpu(capsys):
+    assert cli.main(["bench", "--quick", "--list", "--suite", "image"]) == 0
+    assert capsys.readouterr().out.split() == ["image", "group_norm", "bfloat16", "32x256x56x56",
+                                               "image", "batch_norm", "bfloat16", "32x256x56x56"]
+
+
+def test_no_case_selected_exits_2(capsys):
+    assert cli.main(["bench", "--suite", "image", "--ops", "rms_norm", "--list"]) == 2
+    assert "no cases" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message printed without a GPU")
+def test_without_cuda_exits_2(capsys):
+    assert cli.main(["bench", "--quick"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_help_lists_every_option(capsys):
+    with pytest.raises(SystemExit):
+        parse("--help")
+    out = capsys.readouterr().out
+    options = "--suite --ops --dtypes --n --impls --quick --out --resume --shard --merge --list --rep-ms "
+    options += "--warmup-ms"
+    assert all(option in out for option in options.split())
+    assert all(suite in out for suite in bench.SUITES)
+
+
+# --- results files and merge ----------------------------------------------------------------------
+
+
+def test_json_roundtrip(tmp_path):
+    rows = make_rows(3000.0)
+    image = bench.Case("image", "group_norm", "float32", (8, 128, 112, 112))
+    rows.append(bench.make_row(image, "liger", 3000.0, error="RuntimeError: too large"))
+    bench.write_json(tmp_path / "r.json", [meta(3000.0)], rows)
+    parts, back = bench.read_json(tmp_path / "r.json")
+    assert parts == [meta(3000.0)] and back == rows
+    assert all(r["fwd_frac"] == pytest.approx(r["fwd_gbps"] / 3000.0) for r in back if r["fwd_gbps"])
+    assert back[-1]["fwd_status"] == "fail" and back[-1]["fwd_gbps"] is None
+
+
+def test_csv_values(tmp_path):
+    rows = make_rows(2500.0, fwd_ms=0.25)
+    bench.write_csv(tmp_path / "r.csv", rows)
+    with open(tmp_path / "r.csv") as f:
+        back = list(csv.DictReader(f))
+    assert list(back[0]) == list(bench.CSV_FIELDS)
+    for row, line in zip(rows, back):
+        assert line["impl"] == row["impl"] and line["shape"] == row["shape"] and int(line["n"]) == row["n"]
+        for key in ("fwd_ms", "fwd_gbps", "bwd_gbps", "copy_gbps"):
+            assert float(line[key]) == pytest.approx(row[key])
+        assert float(line["bwd_frac"]) == pytest.approx(float(line["bwd_gbps"]) / 2500.0)
+        assert line["error"] == ""
+
+
+def test_merge_keeps_each_parts_copy(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    bench.write_json(a / "results.json", [meta(3000.0)], make_rows(3000.0))
+    newer = make_rows(2000.0, fwd_ms=2.0, impls=("torch",)) + make_rows(2000.0, suite="few", impls=("quack",))
+    bench.write_json(b / "results.json", [meta(2000.0, "NVIDIA H200")], newer)
+    parts, rows = bench.merge([a, b / "results.json"])
+    assert [p["copy_gbps"] for p in parts] == [3000.0, 2000.0]
+    assert len(rows) == 4 + 2  # b's torch rows replace a's; its quack rows are new
+    torch_rows = [r for r in rows if r["impl"] == "torch"]
+    assert all(r["copy_gbps"] == 2000.0 and r["fwd_ms"] == 2.0 for r in torch_rows)
+    for r in rows:
+        assert r["fwd_frac"] == pytest.approx(r["fwd_gbps"] / r["copy_gbps"])
+
+
+def test_merge_command_writes_everything(tmp_path, capsys):
+    for name, copy, impl in (("p1", 3000.0, "normkit"), ("p2", 2990.0, "torch.compile")):
+        (tmp_path / name).mkdir()
+        bench.write_json(tmp_path / name / "results.json", [meta(copy)], make_rows(copy, impls=(impl,)))
+    out = tmp_path / "all"
+    assert cli.main(["bench", "--merge", f"{tmp_path / 'p1'},{tmp_path / 'p2'}", "--out", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "copy 3000 GB/s" in table and "copy 2990 GB/s" in table and "torch.compile fwd" in table
+    assert {p.name for p in out.iterdir()} >= {"results.json", "results.csv", "table.txt"}
+    data = json.loads((out / "results.json").read_text())
+    assert len(data["parts"]) == 2 and len(data["rows"]) == 4
+
+
+def test_merge_of_a_wrong_result_exits_1(tmp_path):
+    row = bench.make_row(bench.Case("sweep", "softmax", "bfloat16", (4, 4)), "torch", 1.0, ("wrong", None))
+    bench.write_json(tmp_path / "results.json", [meta(1.0)], [row])
+    assert cli.main(["bench", "--merge", str(tmp_path)]) == 1
+
+
+def test_merge_of_a_missing_dir_exits_2(tmp_path, capsys):
+    assert cli.main(["bench", "--merge", str(tmp_path / "nope")]) == 2
+    assert "cannot read results" in capsys.readouterr().err
+
+
+# --- table and plots ------------------------------------------------------------------------------
+
+
+def test_table_cells():
+    case = bench.Case("sweep", "layer_norm", "bfloat16", (32768, 4096))
+    rows = [bench.make_row(case, "normkit", 3000.0, ("ok", 2 * case.numel * 2 / 2900e6), ("ok", 1.0)),
+            bench.make_row(case, "liger", 3000.0, ("ok", 1.0), ("wrong", None), "AssertionError: dx off"),
+            bench.make_row(case, "quack", 3000.0, error="TypeError: no layer_norm")]  # fmt: skip
+    rows.append(bench.make_row(bench.Case("sweep", "rms_norm", "bfloat16", (32768, 4096)), "quack", 3000.0,
+                               ("ok", 1.0), ("ok", 1.0)))  # fmt: skip
+    table = bench.format_table([meta(3000.0)], rows)
+    lines = table.splitlines()
+    header = next(line for line in lines if line.startswith("suite"))
+    assert header.split()[4:] == ["normkit", "fwd", "normkit", "bwd", "liger", "fwd", "liger", "bwd", "quack",
+                                  "fwd", "quack", "bwd"]  # fmt: skip
+    layer = next(line for line in lines if line.startswith("sweep  layer_norm")).split()
+    assert layer[4:6] == ["2900", "0.97"] and layer[-3:] == ["wrong", "fail", "fail"]
+    rms = next(line for line in lines if line.startswith("sweep  rms_norm")).split()
+    assert rms[4:8] == ["-"] * 4  # normkit and liger have no rms_norm row here
+    assert "liger layer_norm bfloat16 32768x4096: fwd ok, bwd wrong: AssertionError: dx off" in table
+    assert "quack layer_norm bfloat16 32768x4096: fwd fail, bwd fail: TypeError: no layer_norm" in table
+
+
+def test_plots_are_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = make_rows(3000.0) + make_rows(3000.0, suite="few")
+    rows += [bench.make_row(bench.Case("few", "rms_norm", "bfloat16", (m, 4096)), "torch", 3000.0,
+                            ("ok", 0.01), ("fail", None)) for m in (1, 16)]  # fmt: skip
+    rows += [bench.make_row(bench.Case("image", "batch_norm", "float32", s), "torch", 3000.0, ("ok", 1.0),
+                            ("ok", 1.0)) for s in bench.IMAGE_SHAPES]  # fmt: skip
+    paths = bench.write_plots(tmp_path, rows)
+    names = {p.name for p in paths}
+    assert names == {"rms_norm-bfloat16.png", "rms_norm-bfloat16-few.png", "batch_norm-float32.png"}
+    for p in paths:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_write_outputs(tmp_path):
+    summary = bench.write_outputs(tmp_path / "out", [meta(3000.0)], make_rows(3000.0))
+    assert (tmp_path / "out" / "results.csv").exists() and "results.json" in summary
+    assert "copy 3000 GB/s" in (tmp_path / "out" / "table.txt").read_text()
+
+
+def test_progress_without_tqdm(monkeypatch, capsys):
+    monkeypatch.setitem(__import__("sys").modules, "tqdm", None)
+    bar = bench.progress(3)
+    bar.update()
+    bar.set_description_str("sweep rms_norm")
+    assert "[1/3] sweep rms_norm" in capsys.readouterr().err
+
+
+# --- the check-then-time loop on CPU (the reference serves normkit's CPU tensors) ----------------
+
+TINY = [bench.Case("sweep", op, dt, (6, 64)) for op in bench.ROW_OPS for dt in ("bfloat16", "float32")]
+TINY += [bench.Case("image", op, "float16", (2, 64, 3, 3)) for op in bench.IMAGE_OPS]
+TINY += [bench.Case("dim0", op, "bfloat16", (64, 5)) for op in bench.DIM0_OPS]
+
+
+def fake_timer(fn):
+    fn()
+    return 0.5
+
+
+def test_run_checks_every_op_on_cpu():
+    rows, sections = bench.run(TINY, ["normkit", "torch"], "cpu", fake_timer, copy=100.0)
+    assert len(rows) == 2 * len(TINY) and set(sections) == {"sweep", "image", "dim0"}
+    bad = [(r["impl"], r["op"], r["dtype"], r["error"]) for r in rows if (r["fwd_status"], r["bwd_status"])
+           != ("ok", "ok")]  # fmt: skip
+    assert not bad
+    assert all(r["fwd_ms"] == 0.5 and r["fwd_frac"] == pytest.approx(r["fwd_gbps"] / 100.0) for r in rows)
+    assert bench._exit_status(rows) == 0
+
+
+def test_run_reports_wrong_and_fail_and_goes_on(monkeypatch):
+    real = bench.forward_fn
+
+    def forward_fn(impl, op):
+        if impl == "off":  # 10% off: every output and gradient is wrong
+            fn = real("torch", op)
+            return lambda i: tuple(1.1 * o for o in fn(i))
+        if impl == "raises" and op == "rms_norm":
+            raise RuntimeError("no kernel for this shape")
+        return real("torch" if impl == "raises" else impl, op)
+
+    monkeypatch.setattr(bench, "forward_fn", forward_fn)
+    cases = [c for c in TINY if c.op in ("rms_norm", "softmax") and c.dtype == "float32"]
+    rows, _ = bench.run(cases, ["off", "raises", "normkit"], "cpu", fake_timer, copy=100.0)
+    status = {(r["impl"], r["op"]): (r["fwd_status"], r["bwd_status"]) for r in rows}
+    assert status[("off", "rms_norm")] == status[("off", "softmax")] == ("wrong", "wrong")
+    assert status[("raises", "rms_norm")] == ("fail", "fail")
+    assert status[("raises", "softmax")] == status[("normkit", "rms_norm")] == ("ok", "ok")
+    errors = {(r["impl"], r["op"]): r["error"] for r in rows}
+    assert errors[("raises", "rms_norm")] == "RuntimeError: no kernel for this shape"
+    assert "y (torch.float32, fwd tolerance" in errors[("off", "rms_norm")]
+    assert bench._exit_status(rows) == 1
+
+
+def test_run_skips_what_is_done():
+    done = {bench.row_key(TINY[0], "torch")}
+    rows, _ = bench.run(TINY[:2], ["normkit", "torch"], "cpu", fake_timer, copy=1.0, done=done)
+    assert [(r["impl"], r["dtype"]) for r in rows] == [("normkit", "bfloat16"), ("normkit", "float32"),
+                                                       ("torch", "float32")]  # fmt: skip
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU available")
+def test_quick_bench_on_gpu(tmp_path):
+    out = tmp_path / "bench"
+    assert cli.main(["bench", "--quick", "--suite", "sweep", "--ops", "rms_norm", "--out", str(out)]) == 0
+    assert {"results.json", "results.csv", "table.txt"} <= {p.name for p in out.iterdir()}
+    parts, rows = bench.read_json(out)
+    assert parts[0]["copy_gbps"] > 0 and parts[0]["sm_count"] > 0
+    assert {r["impl"] for r in rows} >= {"normkit", "torch", "torch.compile"}
+    assert all(r["fwd_status"] == r["bwd_status"] == "ok" for r in rows if r["impl"] in bench.IMPLS[:3])

@@ -497,11 +497,18 @@ def run(cases, impls, device="cuda", timer=None, copy=None, done=(), on_row=None
             start = time.perf_counter()
             for case, case_impls in (t for t in todo if t[0].suite == suite):
                 bar.set_description_str(f"{suite} {case.op} {case.dtype} {case.label}")
-                inp = make_inputs(case, device)
-                ref = reference(case, inp)
+                try:
+                    inp = make_inputs(case, device)
+                    ref = reference(case, inp)
+                except Exception as exc:  # e.g. out of memory: every implementation of the case fails
+                    inp = ref = None
+                    error = "reference: " + _error(exc)
                 for impl in case_impls:
                     torch._dynamo.reset()
-                    rows.append(measure_row(case, impl, inp, ref, timer, copy))
+                    if ref is None:
+                        rows.append(make_row(case, impl, copy, error=error))
+                    else:
+                        rows.append(measure_row(case, impl, inp, ref, timer, copy))
                     if on_row:
                         on_row(rows[-1])
                     bar.update(1)

@@ -323,6 +323,19 @@ def test_run_reports_wrong_and_fail_and_goes_on(monkeypatch):
     assert bench._exit_status(rows) == 1
 
 
+def test_run_goes_on_when_the_reference_fails(monkeypatch):
+    def reference(case, inp):
+        if case.dtype == "bfloat16":
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return real(case, inp)
+
+    real = bench.reference
+    monkeypatch.setattr(bench, "reference", reference)
+    rows, _ = bench.run(TINY[:2], ["torch"], "cpu", fake_timer, copy=1.0)
+    assert [(r["fwd_status"], r["error"]) for r in rows] == [
+        ("fail", "reference: OutOfMemoryError: CUDA out of memory"), ("ok", "")]
+
+
 def test_run_skips_what_is_done():
     done = {bench.row_key(TINY[0], "torch")}
     rows, _ = bench.run(TINY[:2], ["normkit", "torch"], "cpu", fake_timer, copy=1.0, done=done)

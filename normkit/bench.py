@@ -482,14 +482,19 @@ def progress(total):
     return tqdm(total=total, unit="run", file=sys.stderr, dynamic_ncols=True)
 
 
+def pending(cases, impls, done=()):
+    """[(case, [impls still to measure])] for the cases with any."""
+    todo = [(c, [i for i in impls if serves(i, c.op) and row_key(c, i) not in done]) for c in cases]
+    return [(c, case_impls) for c, case_impls in todo if case_impls]
+
+
 def run(cases, impls, device="cuda", timer=None, copy=None, done=(), on_row=None):
     """Measure every (case, impl) not in ``done`` (keys of :func:`row_key`).
 
     Returns (rows, {suite: seconds}). ``on_row(row)`` is called after each measurement.
     """
     timer = timer or do_bench_timer()
-    todo = [(c, [i for i in impls if serves(i, c.op) and row_key(c, i) not in done]) for c in cases]
-    todo = [(c, todo_impls) for c, todo_impls in todo if todo_impls]
+    todo = pending(cases, impls, done)
     bar = progress(sum(len(i) for _, i in todo))
     rows, sections = [], {}
     try:
@@ -586,13 +591,18 @@ def write_csv(path, rows):
             writer.writerow({k: "" if v is None else v for k, v in with_fractions(row).items()})
 
 
+def _num(v) -> str:
+    """Three significant digits at most, never an exponent (2907, 12.3, 0.97, 0.004)."""
+    return f"{v:.{0 if v >= 100 else 1 if v >= 10 else 2 if v >= 0.1 else 3}f}"
+
+
 def _cell(row, direction):
     if row is None:
         return "-"
     status = row[f"{direction}_status"]
     if status != "ok":
         return status
-    return f"{row[f'{direction}_gbps']:.0f} {row[f'{direction}_frac']:.2f}"
+    return f"{_num(row[f'{direction}_gbps'])} {_num(row[f'{direction}_frac'])}"
 
 
 def format_table(parts, rows) -> str:
@@ -670,7 +680,10 @@ def write_plots(out_dir, rows) -> list[Path]:
                 ax.set_xticks(range(len(xs)), xs)
             else:
                 ax.set_xscale("log", base=2)
-            ax.set_ylim(bottom=0)
+            if suffix == "-few":  # launch-bound: far below the copy line
+                ax.set_yscale("log")
+            else:
+                ax.set_ylim(bottom=0)
             ax.set_title(f"{op} {dtype} {'forward' if direction == 'fwd' else 'backward'}")
             ax.set_xlabel(xlabel)
             ax.grid(True, alpha=0.3)
@@ -758,6 +771,12 @@ def _bench_command(args) -> int:
         return 2
     impls = _impls(args.impls)
     parts, old_rows = read_json(args.out) if args.resume and (Path(args.out) / RESULTS).exists() else ([], [])
+    done = {row_key(r) for r in old_rows}
+    todo = pending(cases, impls, done)
+    if not todo:
+        print(format_table(parts, old_rows))
+        print(f"\nnothing to do: {args.out} has every measurement of these cases", file=sys.stderr)
+        return _exit_status(old_rows)
     device = torch.device("cuda", torch.cuda.current_device())
     copy = copy_gbps(device)
     summary = dict(suites=args.suite or list(SUITES), dtypes=sorted({c.dtype for c in cases}), impls=impls,
@@ -765,8 +784,9 @@ def _bench_command(args) -> int:
                    shard="/".join(map(str, args.shard)) if args.shard else None)  # fmt: skip
     part = metadata(device, copy, summary)
     parts.append(part)
-    print(f"normkit bench: {len(cases)} cases x {', '.join(impls)} on {part['gpu']}; copy {copy:.0f} GB/s",
-          file=sys.stderr)  # fmt: skip
+    count = sum(len(i) for _, i in todo)
+    print(f"normkit bench: {count} measurements ({len(todo)} cases x {', '.join(impls)}) on {part['gpu']}; "
+          f"copy {copy:.0f} GB/s", file=sys.stderr)  # fmt: skip
     new_rows, start = [], time.perf_counter()
 
     def save(row):
@@ -775,13 +795,13 @@ def _bench_command(args) -> int:
             Path(args.out).mkdir(parents=True, exist_ok=True)
             write_json(Path(args.out) / RESULTS, parts, old_rows + new_rows)
 
-    _, part["sections"] = run(cases, impls, device, do_bench_timer(args.warmup_ms, args.rep_ms), copy,
-                              {row_key(r) for r in old_rows}, save)  # fmt: skip
+    timer = do_bench_timer(args.warmup_ms, args.rep_ms)
+    _, part["sections"] = run(cases, impls, device, timer, copy, done, save)
     part["elapsed_s"] = time.perf_counter() - start
     rows = old_rows + new_rows
     print(format_table(parts, rows))
     sections = ", ".join(f"{s} {t:.0f}s" for s, t in part["sections"].items())
-    print(f"\n{len(new_rows)} measurements in {part['elapsed_s']:.0f}s ({sections or 'nothing to do'})")
+    print(f"\n{len(new_rows)} measurements in {part['elapsed_s']:.0f}s ({sections})")
     if args.out:
         print(write_outputs(args.out, parts, rows), file=sys.stderr)
     return _exit_status(rows)

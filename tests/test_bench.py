@@ -149,6 +149,23 @@ def test_without_cuda_exits_2(capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
+def test_resume_needs_out(capsys):
+    assert cli.main(["bench", "--quick", "--resume"]) == 2
+    assert "--resume needs --out" in capsys.readouterr().err
+
+
+def test_resume_with_everything_done_measures_nothing(tmp_path, monkeypatch, capsys):
+    impls = ("normkit", "torch", "torch.compile")
+    case = bench.Case("sweep", "rms_norm", "bfloat16", ((1 << 27) // 4096, 4096))
+    rows = [bench.make_row(case, impl, 3000.0, ("ok", 1.0), ("ok", 1.0)) for impl in impls]
+    bench.write_json(tmp_path / "results.json", [meta(3000.0)], rows)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    argv = ["bench", "--quick", "--suite", "sweep", "--ops", "rms_norm", "--impls", ",".join(impls)]
+    assert cli.main([*argv, "--out", str(tmp_path), "--resume"]) == 0
+    assert "nothing to do" in capsys.readouterr().err
+    assert bench.read_json(tmp_path) == ([meta(3000.0)], rows)
+
+
 def test_help_lists_every_option(capsys):
     with pytest.raises(SystemExit):
         parse("--help")
@@ -247,6 +264,12 @@ def test_table_cells():
     assert rms[4:8] == ["-"] * 4  # normkit and liger have no rms_norm row here
     assert "liger layer_norm bfloat16 32768x4096: fwd ok, bwd wrong: AssertionError: dx off" in table
     assert "quack layer_norm bfloat16 32768x4096: fwd fail, bwd fail: TypeError: no layer_norm" in table
+
+
+def test_small_numbers_keep_their_digits():
+    row = bench.make_row(bench.Case("few", "softmax", "bfloat16", (16, 4096)), "torch", 3000.0,
+                         ("ok", 2 * 16 * 4096 * 2 / 12.345e6), ("ok", 3 * 16 * 4096 * 2 / 1.5e6))  # fmt: skip
+    assert bench._cell(row, "fwd") == "12.3 0.004" and bench._cell(row, "bwd") == "1.50 0.001"
 
 
 def test_plots_are_png(tmp_path):

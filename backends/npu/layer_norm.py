@@ -12,6 +12,11 @@ Backward: a row sweep computes the two dx reduction terms per row, then programs
 The fused residual path (add-norm) runs the same kernels with ``ADD`` on, as on CUDA: h =
 dropout(x) + residual is formed, stored and normalized; the backward adds h's incoming gradient,
 stores the residual's gradient and regenerates the dropout mask from the seed.
+
+(*) The dropout draw of element (row, col) is Philox with 32-bit counters: counter col, key seed
+with row xor-ed into its high word. triton-ascend has no 64-bit Philox (its umulhi takes 32-bit
+operands only), so ``tl.rand(seed, row * N + col)`` with int64 offsets does not compile for Ascend;
+the row in the key keeps draws distinct for every (row, col) however many elements there are.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ def _fwd_kernel(
     N,
     inv_n,  # 1 / N from the host: exact where N is a power of two (N = 1 must give dx = 0)
     eps,
-    seed,  # dropout: keep (row, col) where rand(seed, row * N + col) >= p, times scale
+    seed,  # dropout: keep (row, col) where rand(seed ^ (row << 32), col) >= p, times scale (*)
     p,
     scale,
     BLOCK_SIZE: tl.constexpr,  # column tile (1024)
@@ -61,6 +66,7 @@ def _fwd_kernel(
         row64 = tl.cast(row, tl.int64)
         x_row = X + row64 * stride_x
         y_row = Y + row64 * stride_y
+        key = seed ^ (row64 << 32)  # dropout: this row's Philox key (*)
         # Statistics of x - shift, shift = x[row, 0] (+ residual[row, 0]): exact differences,
         # accurate for large means; merged tile by tile with Chan's formula. RMSNorm sums squares.
         if IS_RMS:
@@ -76,7 +82,7 @@ def _fwd_kernel(
             mask = offs < N
             x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
             if ADD:
-                h = residual_in(x, R + row64 * stride_r + offs, mask, seed, row64 * N + offs, p,
+                h = residual_in(x, R + row64 * stride_r + offs, mask, key, offs, p,
                                 scale, HAS_R, DROPOUT).to(H.dtype.element_ty)  # fmt: skip
                 tl.store(H + row64 * stride_h + offs, h, mask=mask)
                 x = h.to(tl.float32)
@@ -96,7 +102,7 @@ def _fwd_kernel(
             mask = offs < N
             x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
             if ADD:
-                x = residual_in(x, R + row64 * stride_r + offs, mask, seed, row64 * N + offs, p,
+                x = residual_in(x, R + row64 * stride_r + offs, mask, key, offs, p,
                                 scale, HAS_R, DROPOUT).to(H.dtype.element_ty).to(tl.float32)  # fmt: skip
             y = normalize(x - shift, mean, rstd, mask, IS_RMS)
             if HAS_W:
@@ -197,6 +203,7 @@ def _bwd_dx_kernel(
         row_start = chunk * rows_per_chunk
         for row in range(row_start, tl.minimum(row_start + rows_per_chunk, M)):
             row64 = tl.cast(row, tl.int64)
+            key = seed ^ (row64 << 32)  # dropout: this row's Philox key (*)
             x = tl.load(X + row64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
             dy = tl.load(DY + row64 * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
             rstd = tl.load(Rstd + row)
@@ -214,7 +221,7 @@ def _bwd_dx_kernel(
             else:
                 dx = (wdy - (xhat * tl.load(C1 + row) + tl.load(C2 + row))) * rstd
             dx = residual_grad(dx, DH + row64 * stride_dh + cols, DRES + row64 * stride_dres + cols,
-                               mask, seed, row64 * N + cols, p, scale, HAS_DH, HAS_DRES, DROPOUT)  # fmt: skip
+                               mask, key, cols, p, scale, HAS_DH, HAS_DRES, DROPOUT)  # fmt: skip
             tl.store(DX + row64 * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
             if HAS_W:
                 dw += dy * xhat

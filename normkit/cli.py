@@ -154,9 +154,10 @@ Every result is checked against the fp64 reference before it is timed: `fail` = 
 implementation raised, `wrong` = output or gradient off the reference (exit status 1 after the
 sweep). Exit 2: no CUDA GPU, or bad arguments.
 
-Splitting a long run (e.g. a 10-minute limit per command) and merging the parts:
-  normkit bench --shard 1/4 --out part1     # ... up to --shard 4/4 --out part4
-  normkit bench --merge part1,part2,part3,part4 --out all
+The full run takes about half an hour on an H100. Splitting it (e.g. for a 10-minute limit per
+command) and merging the parts:
+  normkit bench --shard 1/8 --out p1     # ... up to --shard 8/8 --out p8
+  normkit bench --merge p1,p2,p3,p4,p5,p6,p7,p8 --out all
 or re-run one command until it has done everything (results are saved after each measurement):
   normkit bench --out all --resume
 """

@@ -68,6 +68,23 @@ LOOP_BLOCK_BWD = 2048
 # Looped backward: about this many programs per SM over (row chunk x column tile) work items.
 LOOPED_PROGRAMS_PER_SM = 2
 
+# Split rows (coop.py): rows longer than the fused limit are cut into chunks held by co-resident
+# programs that exchange partial statistics, so x (and dy) are read from HBM once. Residency is
+# guaranteed by the register file: programs per SM = 64 K registers // (threads x register cap),
+# within 64 warps per SM (H100; also true of A100). Kernels launched without a cap count as 256
+# registers a thread. Chunk sizes and warps: docs/perf-notes.md v5.
+REGISTERS_PER_SM = 65536
+MAX_WARPS_PER_SM = 64
+MAX_REGISTERS = 256
+# (chunk elements, num_warps, register cap, most chunks per row). Backward: x, dy and the
+# dweight/dbias partials in registers. More than 32 chunks per row (bf16 N > 131072) made the
+# row barrier the bottleneck: LayerNorm backward 0.45 vs 0.56 looped at N = 262144 (perf-notes v5).
+SPLIT_BWD = (4096, 4, MAX_REGISTERS, 32)
+SPLIT_SOFTMAX_BWD = (8192, 4, MAX_REGISTERS, 32)  # y and dy in registers
+# Forward: the chunk is read again from L2 after the barrier instead of being held in registers,
+# so a register cap allows many programs per SM to hide each other's barrier (perf-notes v6).
+SPLIT_FWD = (4096, 4, 64, 64)
+
 # Partial-sum reduction tiles. A first version had one program per 1024 columns walking the G
 # partial rows one load at a time: at N = 256 that single program's G dependent loads cost as
 # much as the whole backward (bf16 LayerNorm backward 0.20 of copy; docs/perf-notes.md v2).
@@ -87,6 +104,8 @@ class LaunchConfig:
     rows_per_program: int  # rows per tile (fused) or per row chunk (looped backward)
     grid: tuple[int, ...]
     fused: bool  # the whole row fits one tile held in registers
+    split: int = 1  # programs sharing one row (split rows, coop.py); grid = row groups x split
+    maxnreg: int = MAX_REGISTERS  # register cap per thread the kernel is compiled with (split rows)
 
 
 @functools.lru_cache(maxsize=64)
@@ -132,16 +151,50 @@ def _row_sweep(M: int, N: int, dtype: torch.dtype, fused_max: int) -> LaunchConf
     return LaunchConfig(LOOP_BLOCK_FWD, _warps(LOOP_BLOCK_FWD, dtype), 1, (M,), False)
 
 
+def split_row(M: int, N: int, dtype: torch.dtype, device: torch.device, chunk: int, warps: int,
+              maxnreg: int = MAX_REGISTERS, max_chunks: int = 32) -> LaunchConfig | None:  # fmt: skip
+    """Split-row launch (coop.py) for ``device``, or None where it cannot run: CPU tensors (the
+    interpreter runs programs one at a time, so a row barrier would never open) and rows needing
+    more chunks than co-resident programs (or than ``max_chunks``). grid = row groups x
+    chunks; group g takes rows g, g + groups, ...; ``split`` = chunks per row, ``block_size`` =
+    chunk, ``maxnreg`` the register cap the kernel is compiled with."""
+    if device.type != "cuda":
+        return None
+    chunk = _fused_max(chunk, dtype)
+    per_sm = min(REGISTERS_PER_SM // (warps * 32 * maxnreg), MAX_WARPS_PER_SM // warps)
+    programs = per_sm * sm_count(device)
+    chunks = triton.cdiv(N, chunk)
+    if chunks > min(programs, max_chunks):
+        return None
+    groups = max(1, min(M, programs // chunks))
+    return LaunchConfig(chunk, warps, 1, (groups * chunks,), False, chunks, maxnreg)
+
+
 def forward(M: int, N: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig:
-    """Row-norm forward: fused (rows in registers) or looped (one program per row)."""
-    return _row_sweep(M, N, dtype, FUSED_MAX_N_FWD)
+    """Row-norm forward: fused (rows in registers) or looped (one program per row).
+
+    Split rows were measured slower than the looped kernel here (bf16 LayerNorm 0.52-0.61 vs
+    0.62-0.63 of copy at N = 65536-262144; docs/perf-notes.md v5): with 8 warps per SM the row
+    barrier's latency is not hidden."""
+    cfg = _row_sweep(M, N, dtype, FUSED_MAX_N_FWD)
+    if not cfg.fused:
+        cfg = split_row(M, N, dtype, device, *SPLIT_FWD) or cfg
+    return cfg
 
 
 def softmax(M: int, N: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig:
-    """Softmax forward and backward (no cross-row reduction): the row-norm forward's tiling.
-    The fused limit is the forward's (a row of x, or of y and dy, in registers); not yet measured
-    separately for softmax."""
-    return _row_sweep(M, N, dtype, FUSED_MAX_N_FWD)
+    """Softmax forward (no cross-row reduction): the row-norm forward's tiling. The fused limit is
+    the forward's (a row of x in registers); not yet measured separately for softmax."""
+    return forward(M, N, dtype, device)
+
+
+def softmax_backward(M: int, N: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig:
+    """Softmax backward: fused rows of y and dy, else split rows (0.79-0.84 of copy at N = 65536 -
+    262144 vs 0.56-0.59 looped, bf16; perf-notes v5), else looped."""
+    cfg = _row_sweep(M, N, dtype, FUSED_MAX_N_FWD)
+    if not cfg.fused:
+        cfg = split_row(M, N, dtype, device, *SPLIT_SOFTMAX_BWD) or cfg
+    return cfg
 
 
 def row_sweep(M: int, N: int, dtype: torch.dtype) -> LaunchConfig:
@@ -154,6 +207,8 @@ def backward(M: int, N: int, dtype: torch.dtype, device: torch.device, is_rms: b
 
     Fused: a persistent grid (``FUSED_BWD`` table) walks row tiles, each program keeping its
     dweight/dbias partial in registers; grid[0] is the number of partial rows.
+    Split rows (``split`` > 1, coop.py): grid = row groups x chunks; each program keeps the
+    dweight/dbias partial of its chunk's columns, so there are grid[0] // split partial rows.
     Looped: grid (row chunks, column tiles); each program sweeps a chunk of rows for one column
     tile; grid[0] row chunks is the number of partial rows.
     """
@@ -165,6 +220,9 @@ def backward(M: int, N: int, dtype: torch.dtype, device: torch.device, is_rms: b
         per_warp = 32 * entry.elements_per_thread
         warps = max(4, min(32, triton.next_power_of_2(max(1, rows * block // per_warp))))
         return LaunchConfig(block, warps, rows, (grid,), True)
+    split = split_row(M, N, dtype, device, *SPLIT_BWD)
+    if split is not None:
+        return split
     programs = LOOPED_PROGRAMS_PER_SM * sm_count(device)
     col_tiles = triton.cdiv(N, LOOP_BLOCK_BWD)
     chunks = max(1, min(M, triton.cdiv(programs, col_tiles)))

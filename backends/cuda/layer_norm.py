@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 
 from normkit.backends.common import chan_merge, normalize, reciprocal, residual_grad, residual_in
-from normkit.backends.cuda import config
+from normkit.backends.cuda import config, coop
+from normkit.backends.cuda.coop import arrive_and_wait
 from normkit.backends.cuda.reduce import sum_partials
 from normkit.backends.row_norm_contract import row_norm_contract
 
@@ -170,6 +171,99 @@ def _fwd_looped_kernel(
         if HAS_B:
             y = y + tl.load(B + offs, mask=mask, other=0.0).to(ACC)
         tl.store(Y + row * stride_y + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fwd_split_kernel(
+    X,  # (M, N) input rows; row stride stride_x
+    R,  # (M, N) residual rows (read when ADD and HAS_R)
+    H,  # (M, N) out: h (written when ADD)
+    Y,  # (M, N) output rows; row stride stride_y
+    W,  # (N,) weight (unread unless HAS_W)
+    B,  # (N,) bias (unread unless HAS_B)
+    Mean,  # (M,) out (unwritten when IS_RMS)
+    Rstd,  # (M,) out
+    stride_x,
+    stride_r,
+    stride_h,
+    stride_y,
+    Part,  # (M, 2, KP) ACC workspace: per-chunk (mean of x - shift, M2) (RMSNorm: sum of squares)
+    Count,  # (M,) int32, zeroed: the row barriers
+    M,
+    N,
+    K,  # chunks per row; program pid holds chunk pid % K of the rows of group pid // K
+    eps,
+    seed,
+    p,
+    scale,
+    CHUNK: tl.constexpr,  # columns per program
+    KP: tl.constexpr,  # power of two >= K
+    IS_RMS: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    ADD: tl.constexpr,
+    HAS_R: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    groups = tl.num_programs(0) // K
+    k = pid % K
+    cols = k * CHUNK + tl.arange(0, CHUNK)
+    mask = cols < N
+    ks = tl.arange(0, KP)
+    counts = tl.cast(tl.maximum(tl.minimum(N - ks * CHUNK, CHUNK), 0), ACC)  # values per chunk
+    inv_n = reciprocal(N, ACC)
+    for row in range(pid // K, M, groups):
+        r64 = tl.cast(row, tl.int64)
+        x = tl.load(X + r64 * stride_x + cols, mask=mask, other=0.0).to(ACC)
+        if ADD:
+            h = residual_in(x, R + r64 * stride_r + cols, mask, seed, r64 * N + cols, p, scale,
+                            HAS_R, DROPOUT).to(H.dtype.element_ty)  # fmt: skip
+            tl.store(H + r64 * stride_h + cols, h, mask=mask)
+            x = h.to(ACC)
+        part = Part + r64 * (2 * KP)
+        if IS_RMS:
+            shift = 0.0
+            tl.store(part + k, tl.sum(x * x, axis=0))
+        else:
+            # Chunk statistics of x - shift (shift = the row's first value, as in the looped
+            # kernel): mean and M2 about the chunk's own mean, merged below with Chan's formula.
+            shift = tl.load(X + r64 * stride_x).to(ACC)
+            if ADD and HAS_R:
+                shift += tl.load(R + r64 * stride_r).to(ACC)
+            xs = tl.where(mask, x - shift, 0.0)
+            mean_k = tl.sum(xs, axis=0) * reciprocal(tl.minimum(N - k * CHUNK, CHUNK), ACC)
+            d = tl.where(mask, xs - mean_k, 0.0)
+            tl.store(part + k, mean_k)
+            tl.store(part + KP + k, tl.sum(d * d, axis=0))
+        arrive_and_wait(Count + row, K)
+        p1 = tl.load(part + ks, mask=ks < K, other=0.0, cache_modifier=".cg")
+        if IS_RMS:
+            mean = 0.0
+            rstd = 1.0 / tl.sqrt(tl.sum(p1, axis=0) * inv_n + eps)
+        else:
+            p2 = tl.load(part + KP + ks, mask=ks < K, other=0.0, cache_modifier=".cg")
+            mean = tl.sum(p1 * counts, axis=0) * inv_n
+            dm = p1 - mean
+            m2 = tl.sum(p2, axis=0) + tl.sum(tl.where(ks < K, counts * dm * dm, 0.0), axis=0)
+            rstd = 1.0 / tl.sqrt(m2 * inv_n + eps)
+        if k == 0:
+            tl.store(Rstd + row, rstd)
+            if not IS_RMS:
+                tl.store(Mean + row, shift + mean)
+        # The chunk again, from L2 (read or written just before the barrier): registers stay
+        # free for more programs per SM, which hide each other's wait.
+        if ADD:
+            x = tl.load(H + r64 * stride_h + cols, mask=mask, other=0.0).to(ACC)
+        else:
+            x = tl.load(X + r64 * stride_x + cols, mask=mask, other=0.0).to(ACC)
+        y = normalize(x - shift, mean, rstd, mask, IS_RMS)
+        if HAS_W:
+            y = y * tl.load(W + cols, mask=mask, other=0.0).to(ACC)
+        if HAS_B:
+            y = y + tl.load(B + cols, mask=mask, other=0.0).to(ACC)
+        tl.store(Y + r64 * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -369,6 +463,92 @@ def _bwd_looped_kernel(
         tl.store(DB_part + part, db, mask=mask)
 
 
+@triton.jit
+def _bwd_split_kernel(
+    X,  # (M, N) forward input rows (h for the add-norm); row stride stride_x
+    DY,  # (M, N) output gradient rows; row stride stride_dy
+    DH,  # (M, N) incoming gradient of h (read when HAS_DH)
+    DX,  # (M, N) out: gradient of the forward's x, in x's dtype
+    DRES,  # (M, N) out: gradient of the residual (written when HAS_DRES)
+    W,  # (N,) weight (unread unless HAS_W)
+    Mean,  # (M,) forward row means (unread when IS_RMS)
+    Rstd,  # (M,)
+    Part,  # (M, 2, KP) ACC workspace: per-chunk sums of xhat * w * dy and of w * dy
+    Count,  # (M,) int32, zeroed: the row barriers
+    DW_part,  # (G, N) out, ACC: row g = row group g's sum of dy * xhat (written when HAS_W)
+    DB_part,  # (G, N) out, ACC: row g = row group g's sum of dy (written when HAS_DB)
+    stride_x,
+    stride_dy,
+    stride_dh,
+    stride_dx,
+    stride_dres,
+    M,
+    N,
+    K,  # chunks per row; program pid holds chunk pid % K of the rows of group pid // K
+    seed,
+    p,
+    scale,
+    CHUNK: tl.constexpr,
+    KP: tl.constexpr,
+    IS_RMS: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_DB: tl.constexpr,
+    HAS_DH: tl.constexpr,
+    HAS_DRES: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    groups = tl.num_programs(0) // K
+    group = pid // K
+    k = pid % K
+    cols = k * CHUNK + tl.arange(0, CHUNK)
+    mask = cols < N
+    if HAS_W:
+        w = tl.load(W + cols, mask=mask, other=0.0)
+    dw = tl.zeros([CHUNK], ACC)
+    db = tl.zeros([CHUNK], ACC)
+    ks = tl.arange(0, KP)
+    inv_n = reciprocal(N, ACC)
+    for row in range(group, M, groups):
+        r64 = tl.cast(row, tl.int64)
+        x = tl.load(X + r64 * stride_x + cols, mask=mask, other=0.0).to(ACC)
+        dy = tl.load(DY + r64 * stride_dy + cols, mask=mask, other=0.0).to(ACC)
+        rstd = tl.load(Rstd + row)
+        if IS_RMS:
+            mean = 0.0
+        else:
+            mean = tl.load(Mean + row)
+        xhat = normalize(x, mean, rstd, mask, IS_RMS)
+        if HAS_W:
+            wdy = dy * w.to(ACC)
+        else:
+            wdy = dy
+        part = Part + r64 * (2 * KP)
+        tl.store(part + k, tl.sum(xhat * wdy, axis=0))
+        if not IS_RMS:
+            tl.store(part + KP + k, tl.sum(wdy, axis=0))
+        arrive_and_wait(Count + row, K)
+        c1 = tl.sum(tl.load(part + ks, mask=ks < K, other=0.0, cache_modifier=".cg"), axis=0) * inv_n
+        if IS_RMS:
+            dx = (wdy - xhat * c1) * rstd
+        else:
+            c2 = tl.sum(tl.load(part + KP + ks, mask=ks < K, other=0.0, cache_modifier=".cg"), axis=0)
+            dx = (wdy - (xhat * c1 + c2 * inv_n)) * rstd
+        dx = residual_grad(dx, DH + r64 * stride_dh + cols, DRES + r64 * stride_dres + cols, mask,
+                           seed, r64 * N + cols, p, scale, HAS_DH, HAS_DRES, DROPOUT)  # fmt: skip
+        tl.store(DX + r64 * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
+        if HAS_W:
+            dw += dy * xhat
+        if HAS_DB:
+            db += dy
+    out = tl.cast(group, tl.int64) * N + cols
+    if HAS_W:
+        tl.store(DW_part + out, dw, mask=mask)
+    if HAS_DB:
+        tl.store(DB_part + out, db, mask=mask)
+
+
 def _dropout_args(dropout_p, seed):
     """(seed, p, scale) kernel arguments; dropout is compiled out when p == 0."""
     return (seed, dropout_p, 1.0 / (1.0 - dropout_p)) if dropout_p > 0 else (0, 0.0, 1.0)
@@ -398,6 +578,11 @@ def _forward(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtype=Non
     if cfg.fused:
         _fwd_fused_kernel[cfg.grid](*args, M, N, eps, *drop, ROWS=cfg.rows_per_program,
                                     BLOCK_N=cfg.block_size, **flags)  # fmt: skip
+    elif cfg.split > 1:
+        kp = coop.chunks_pow2(cfg.split)
+        part, count = coop.workspace(M, 2, kp, rstd.dtype, x.device)
+        _fwd_split_kernel[cfg.grid](*args, part, count, M, N, cfg.split, eps, *drop, CHUNK=cfg.block_size,
+                                    KP=kp, maxnreg=cfg.maxnreg, **flags)  # fmt: skip
     else:
         _fwd_looped_kernel[cfg.grid](*args, N, eps, *drop, BLOCK_N=cfg.block_size, **flags)
     return y, h, mean, rstd
@@ -417,7 +602,7 @@ def _backward(dy, x, weight, mean, rstd, bias_dtype, is_rms, dh=None, x_dtype=No
     dx = torch.empty((M, N), dtype=x_dtype or x.dtype, device=x.device)
     dres = torch.empty((M, N), dtype=residual_dtype, device=x.device) if residual_dtype else None
     has_w, has_db = weight is not None, bias_dtype is not None
-    parts = cfg.grid[0]
+    parts = cfg.grid[0] // cfg.split
     dw_part = torch.empty((parts, N), dtype=acc, device=x.device) if has_w else rstd
     db_part = torch.empty((parts, N), dtype=acc, device=x.device) if has_db else rstd
     w = weight if has_w else x
@@ -433,6 +618,13 @@ def _backward(dy, x, weight, mean, rstd, bias_dtype, is_rms, dh=None, x_dtype=No
         _bwd_fused_kernel[cfg.grid](
             x, dy, dh_, dx, dres_, w, mean, rstd, dw_part, db_part, *strides, M, N, *drop,
             ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size, **flags,
+        )  # fmt: skip
+    elif cfg.split > 1:
+        kp = coop.chunks_pow2(cfg.split)
+        part, count = coop.workspace(M, 2, kp, acc, x.device)
+        _bwd_split_kernel[cfg.grid](
+            x, dy, dh_, dx, dres_, w, mean, rstd, part, count, dw_part, db_part, *strides, M, N,
+            cfg.split, *drop, CHUNK=cfg.block_size, KP=kp, **flags,
         )  # fmt: skip
     else:
         c1 = torch.empty(M, dtype=acc, device=x.device)

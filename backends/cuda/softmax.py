@@ -13,7 +13,8 @@ import triton
 import triton.language as tl
 
 from normkit.backends.common import online_max_sum
-from normkit.backends.cuda import config
+from normkit.backends.cuda import config, coop
+from normkit.backends.cuda.coop import arrive_and_wait
 
 
 @triton.jit
@@ -74,6 +75,49 @@ def _fwd_looped_kernel(
         else:
             y = tl.exp(x - m) / s
         tl.store(y_row + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fwd_split_kernel(
+    X,  # (M, N) input rows; row stride stride_x
+    Y,  # (M, N) out; row stride stride_y
+    stride_x,
+    stride_y,
+    Part,  # (M, 2, KP) ACC workspace: per-chunk max and sum of exp(x - max)
+    Count,  # (M,) int32, zeroed: the row barriers
+    M,
+    N,
+    K,  # chunks per row; program pid holds chunk pid % K of the rows of group pid // K
+    CHUNK: tl.constexpr,  # columns per program
+    KP: tl.constexpr,  # power of two >= K
+    LOG: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    groups = tl.num_programs(0) // K
+    k = pid % K
+    cols = k * CHUNK + tl.arange(0, CHUNK)
+    mask = cols < N
+    ks = tl.arange(0, KP)
+    for row in range(pid // K, M, groups):
+        r64 = tl.cast(row, tl.int64)
+        x = tl.load(X + r64 * stride_x + cols, mask=mask, other=float("-inf")).to(ACC)
+        m_k, s_k = online_max_sum(tl.full((), float("-inf"), ACC), tl.zeros((), ACC), x)
+        part = Part + r64 * (2 * KP)
+        tl.store(part + k, m_k)
+        tl.store(part + KP + k, s_k)
+        arrive_and_wait(Count + row, K)
+        ms = tl.load(part + ks, mask=ks < K, other=float("-inf"), cache_modifier=".cg")
+        ss = tl.load(part + KP + ks, mask=ks < K, other=0.0, cache_modifier=".cg")
+        m = tl.max(ms, axis=0)
+        # Chunks of all -inf carry s = 0; a row of all -inf keeps m = -inf, s = 0: NaN, as torch.
+        s = tl.sum(ss * tl.exp(ms - tl.where(m == float("-inf"), 0.0, m)), axis=0)
+        x = tl.load(X + r64 * stride_x + cols, mask=mask, other=float("-inf")).to(ACC)  # from L2
+        if LOG:
+            y = (x - m) - tl.log(s)
+        else:
+            y = tl.exp(x - m) / s
+        tl.store(Y + r64 * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -140,6 +184,48 @@ def _bwd_looped_kernel(
         tl.store(DX + row * stride_dx + offs, dx.to(DX.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _bwd_split_kernel(
+    DY,  # (M, N) output gradient rows; row stride stride_dy
+    Y,  # (M, N) forward output rows; row stride stride_y
+    DX,  # (M, N) out; row stride stride_dx
+    stride_dy,
+    stride_y,
+    stride_dx,
+    Part,  # (M, 1, KP) ACC workspace: per-chunk sum of dy * y (log_softmax: of dy)
+    Count,  # (M,) int32, zeroed: the row barriers
+    M,
+    N,
+    K,
+    CHUNK: tl.constexpr,
+    KP: tl.constexpr,
+    LOG: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    groups = tl.num_programs(0) // K
+    k = pid % K
+    cols = k * CHUNK + tl.arange(0, CHUNK)
+    mask = cols < N
+    ks = tl.arange(0, KP)
+    for row in range(pid // K, M, groups):
+        r64 = tl.cast(row, tl.int64)
+        dy = tl.load(DY + r64 * stride_dy + cols, mask=mask, other=0.0).to(ACC)
+        y = tl.load(Y + r64 * stride_y + cols, mask=mask, other=0.0).to(ACC)
+        part = Part + r64 * KP
+        if LOG:
+            tl.store(part + k, tl.sum(dy, axis=0))
+        else:
+            tl.store(part + k, tl.sum(dy * y, axis=0))
+        arrive_and_wait(Count + row, K)
+        c = tl.sum(tl.load(part + ks, mask=ks < K, other=0.0, cache_modifier=".cg"), axis=0)
+        if LOG:
+            dx = dy - tl.exp(y) * c
+        else:
+            dx = y * (dy - c)
+        tl.store(DX + r64 * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
+
+
 def softmax_fwd(x, log):
     """x: (M, N) rows -> softmax (log_softmax when ``log``) of each row, in x.dtype."""
     M, N = x.shape
@@ -149,6 +235,11 @@ def softmax_fwd(x, log):
     if cfg.fused:
         _fwd_fused_kernel[cfg.grid](x, y, x.stride(0), y.stride(0), M, N,
                                     ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size, **flags)  # fmt: skip
+    elif cfg.split > 1:
+        kp = coop.chunks_pow2(cfg.split)
+        part, count = coop.workspace(M, 2, kp, config.acc_dtype(x.dtype), x.device)
+        _fwd_split_kernel[cfg.grid](x, y, x.stride(0), y.stride(0), part, count, M, N, cfg.split,
+                                    CHUNK=cfg.block_size, KP=kp, maxnreg=cfg.maxnreg, **flags)  # fmt: skip
     else:
         _fwd_looped_kernel[cfg.grid](x, y, x.stride(0), y.stride(0), N, BLOCK_N=cfg.block_size, **flags)
     return y
@@ -157,13 +248,18 @@ def softmax_fwd(x, log):
 def softmax_bwd(dy, y, log):
     """dy, y: (M, N) -> dx, in y.dtype."""
     M, N = y.shape
-    cfg = config.softmax(M, N, y.dtype, y.device)
+    cfg = config.softmax_backward(M, N, y.dtype, y.device)
     dx = torch.empty((M, N), dtype=y.dtype, device=y.device)
     strides = (dy.stride(0), y.stride(0), dx.stride(0))
     flags = dict(LOG=log, ACC=config.tl_acc_dtype(y.dtype), num_warps=cfg.num_warps)
     if cfg.fused:
         _bwd_fused_kernel[cfg.grid](dy, y, dx, *strides, M, N,
                                     ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size, **flags)  # fmt: skip
+    elif cfg.split > 1:
+        kp = coop.chunks_pow2(cfg.split)
+        part, count = coop.workspace(M, 1, kp, config.acc_dtype(y.dtype), y.device)
+        _bwd_split_kernel[cfg.grid](dy, y, dx, *strides, part, count, M, N, cfg.split,
+                                    CHUNK=cfg.block_size, KP=kp, **flags)  # fmt: skip
     else:
         _bwd_looped_kernel[cfg.grid](dy, y, dx, *strides, N, BLOCK_N=cfg.block_size, **flags)
     return dx

@@ -1,0 +1,46 @@
+"""Split rows: K co-resident programs share one long row and exchange partial statistics.
+
+A row too long for one program's registers (N > the fused limit) is cut into K chunks of CHUNK
+elements; program k of a row group holds chunk k in registers, writes its partial statistics,
+waits at a per-row counter until all K partials are written, merges them (in a fixed order, so
+the result is bitwise reproducible) and finishes its chunk from registers. x is read from HBM
+once, where the looped kernels read it twice.
+
+The wait is a spin on a global counter, so all K programs of a row must be resident at the same
+time. ``config.split_row`` guarantees it: the grid never exceeds ``SPLIT_PROGRAMS_PER_SM`` x SMs
+and ``num_warps x SPLIT_PROGRAMS_PER_SM <= 8``, which fits on one SM whatever the kernel's register
+count (8 warps x 32 threads x 255 registers < 64 K). Programs of other kernels running at the same
+time only delay ours. Not for the Triton interpreter (programs run one after another there):
+``config.split_row`` returns None for CPU tensors, and the looped kernels serve.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def arrive_and_wait(Count, K):
+    """Row barrier: count this program's partial as written, then wait for all K of the row.
+
+    ``Count``: the row's int32 counter (zeroed before the launch). The CTA barrier first makes every
+    thread's partial-sum stores happen before the release increment; the acquire poll makes the
+    other programs' partials visible to the loads that follow (which read through L2: ``.cg``).
+    """
+    tl.debug_barrier()
+    tl.atomic_add(Count, 1, sem="release", scope="gpu")
+    while tl.atomic_add(Count, 0, sem="acquire", scope="gpu") < K:
+        pass
+
+
+def workspace(M: int, parts: int, chunks_pow2: int, acc: torch.dtype, device):
+    """(partials (M, parts, chunks_pow2) in ``acc``, zeroed int32 counters (M,)) for one launch."""
+    part = torch.empty((M, parts, chunks_pow2), dtype=acc, device=device)
+    count = torch.zeros(M, dtype=torch.int32, device=device)
+    return part, count
+
+
+def chunks_pow2(chunks: int) -> int:
+    return triton.next_power_of_2(chunks)

@@ -11,6 +11,6 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 python3 -m pytest -m cuda -q -n 8 -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest-cuda.log" | tail -25
 status=${PIPESTATUS[0]}
 if [ "${BENCH:-1}" = 1 ]; then
-  python3 -m normkit bench --n "${BENCH_N:-4096}" --dtype bfloat16 2>&1 | tee "$OUT/bench.txt"
+  python3 -m normkit bench --suite sweep --n "${BENCH_N:-4096}" --dtypes bfloat16 2>&1 | tee "$OUT/bench.txt"
 fi
 exit "$status"

@@ -13,10 +13,10 @@ echo "== README quick start 1: install + main job"
 pip install -q torch==2.13.0 . && normkit check
 
 echo "== install layout: wheel and editable both provide normkit.backends.{cuda,npu}"
+pip install -q torch==2.13.0 -e ".[test]"  # the editable install check-install.sh probes
 bash ci/check-install.sh
 
 echo "== pytest -m npu without an NPU: every test skipped with its reason, exit 0"
-pip install -q torch==2.13.0 -e ".[test]"
 pytest -m npu -q -rs | tail -3
 
 # Last, so the log ends with the suite's own summary line (N passed, M skipped).

@@ -469,12 +469,50 @@ def compile_all(manifest: Path, jobs: int) -> int:
     return 1 if problems else 0
 
 
+# --- self-test: the check must reject a kernel that does not lower for Ascend -------------------
+
+
+@triton.jit
+def _selftest_ok(X, Y, n, BLOCK: triton.language.constexpr):
+    """Passes: the subset the NPU kernels use (masked loads, tl.where on values)."""
+    offs = triton.language.arange(0, BLOCK)
+    mask = offs < n
+    x = triton.language.load(X + offs, mask=mask, other=0.0)
+    triton.language.store(Y + offs, triton.language.where(x > 0, x, 0.0), mask=mask)
+
+
+@triton.jit
+def _selftest_where_on_pointers(X, Y, n, BLOCK: triton.language.constexpr):
+    """Must fail: tl.where choosing between pointers, which triton-adapter-opt cannot lower."""
+    offs = triton.language.arange(0, BLOCK)
+    mask = offs < n
+    ptrs = triton.language.where(offs < BLOCK // 2, X + offs, Y + offs)
+    triton.language.store(Y + offs, triton.language.load(ptrs, mask=mask, other=0.0), mask=mask)
+
+
+def selftest() -> int:
+    """Compile a good and a deliberately bad kernel: the check is only worth something if the bad
+    one fails (and the good one passes) with this triton-ascend."""
+    variant = {"signature": {"X": "*fp32", "Y": "*fp32", "n": "i32"}, "constexprs": {"BLOCK": 1024},
+               "options": {}}  # fmt: skip
+    ok, detail = compile_variant(_selftest_ok, variant)
+    bad_ok, bad_detail = compile_variant(_selftest_where_on_pointers, variant)
+    error = " | ".join(line.strip() for line in bad_detail.splitlines() if line.strip())[:400]
+    good = detail.splitlines()[0] if ok else detail
+    verdict = "rejected, as it must be" if not bad_ok else "PASSED: the check cannot see this error"
+    print(f"self-test: good kernel {'passed' if ok else 'FAILED'} ({good}); tl.where on pointers "
+          f"{verdict}: {error}")
+    return 0 if ok and not bad_ok else 1
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("step", nargs="?", default="all", choices=("all", "record", "compile"))
+    parser.add_argument("step", nargs="?", default="all", choices=("all", "selftest", "record", "compile"))
     parser.add_argument("--manifest", type=Path, help="JSON manifest of launches (default: a temp file)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args(argv)
+    if args.step in ("all", "selftest") and selftest():
+        return 1
     with tempfile.TemporaryDirectory() as tmp:
         manifest = args.manifest or Path(tmp, "npu-launches.json")
         if args.step in ("all", "record"):

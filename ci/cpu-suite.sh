@@ -10,10 +10,10 @@ python3 -m venv "$VENV"
 source "$VENV/bin/activate"
 
 echo "== README quick start 1: install + main job"
-pip install -q torch==2.13.0 . && normkit check
+pip install -q torch==2.13.0 ".[cuda]" && normkit check
 
 echo "== install layout: wheel and editable both provide normkit.backends.{cuda,npu}"
-pip install -q torch==2.13.0 -e ".[test]"  # the editable install check-install.sh probes
+pip install -q torch==2.13.0 -e ".[cuda,test]"  # the editable install check-install.sh probes
 bash ci/check-install.sh
 
 echo "== pytest -m npu without an NPU: every test skipped with its reason, exit 0"
@@ -21,4 +21,4 @@ pytest -m npu -q -rs | tail -3
 
 # Last, so the log ends with the suite's own summary line (N passed, M skipped).
 echo "== README quick start 2: test extra + tests (-v added so the log lists each test)"
-pip install -q torch==2.13.0 -e ".[test]" && pytest -v
+pip install -q torch==2.13.0 -e ".[cuda,test]" && pytest -v

@@ -40,8 +40,18 @@ def _executors(args):
     return [Executor(device, device)], DEVICE_SHAPES
 
 
+def _has_triton() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
 def cmd_check(args) -> int:
     if args.interpret:
+        if not _has_triton():
+            print('normkit check --interpret: needs the `triton` module; pip install "normkit[cuda]"',
+                  file=sys.stderr)  # fmt: skip
+            return 2
         # Must be set before Triton compiles (decorates) any kernel: backends load lazily, later.
         os.environ["TRITON_INTERPRET"] = "1"
     import torch
@@ -115,7 +125,9 @@ def cmd_info(args) -> int:
     print("backends:")
     for device_type, module in sorted(dispatch.registered().items()):
         print(f"  {device_type:9s} -> {module}")
-    if args.shape:
+    if args.shape and not _has_triton():
+        print('launch configs: need the `triton` module (pip install "normkit[cuda]", or "normkit[npu]")')
+    elif args.shape:
         m, n = (int(v) for v in args.shape.split(","))
         dtype = getattr(torch, args.dtype)
         from normkit.backends.cuda import config as cuda_config

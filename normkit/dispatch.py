@@ -48,9 +48,25 @@ def backend_name_for(device: torch.device | str) -> str:
     return table[device_type]
 
 
+_TRITON_HINT = {  # which install provides the `triton` module a backend was written for
+    "normkit.backends.cuda": 'upstream Triton: pip install "normkit[cuda]" (torch\'s CUDA wheels bring it)',
+    "normkit.backends.npu": 'triton-ascend on an Ascend host: pip install "normkit[npu]" (docs/backends.md); '
+    "or upstream Triton to run the NPU kernels elsewhere",
+}
+
+
 def backend_for(device: torch.device | str) -> ModuleType:
     """The backend module that serves ``device``, imported on first use."""
-    return importlib.import_module(backend_name_for(device))
+    name = backend_name_for(device)
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name != "triton" or name not in _TRITON_HINT:
+            raise
+        raise ModuleNotFoundError(
+            f"{name} needs the `triton` module, which is not installed; install {_TRITON_HINT[name]}",
+            name="triton",
+        ) from e
 
 
 @contextlib.contextmanager

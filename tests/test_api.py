@@ -123,3 +123,16 @@ def test_empty_inputs_like_torch(executor, shape, run_on):
     for expected, got in zip(*results):
         assert got.shape == expected.shape
         torch.testing.assert_close(got, expected)
+
+
+def test_missing_triton_names_the_install(monkeypatch):
+    """Triton is no base dependency: a backend whose `triton` is absent says which extra provides it."""
+
+    def no_triton(name):
+        raise ModuleNotFoundError("No module named 'triton'", name="triton")
+
+    monkeypatch.setattr(dispatch.importlib, "import_module", no_triton)
+    with pytest.raises(ModuleNotFoundError, match=r'normkit\[cuda\]'):
+        dispatch.backend_for("cuda")
+    with pytest.raises(ModuleNotFoundError, match=r'normkit\[npu\]'):
+        dispatch.backend_for("npu:0")

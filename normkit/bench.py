@@ -1,15 +1,19 @@
 """`normkit bench`: normkit, torch eager, torch.compile (and Liger-Kernel, quack when importable) side
-by side, forward and backward, in GB/s and as fractions of a device-to-device copy timed in the same run.
+by side on a CUDA GPU, or normkit, torch eager and torch_npu's fused ops on an Ascend NPU, forward and
+backward, in GB/s and as fractions of a device-to-device copy timed in the same run.
 
 Method. Each case (suite, op, dtype, shape) draws fresh inputs; every implementation's outputs and
 gradients are first compared with the fp64 reference (normkit.testing tolerances): a mismatch is
 reported as ``wrong`` (not timed, and the command exits 1 after the sweep), an exception as ``fail``
-(the sweep goes on). Forward and backward are then timed separately with
-``triton.testing.do_bench`` (median; it flushes L2 between runs): the forward call, and
+(the sweep goes on). Forward and backward are then timed separately: the forward call, and
 ``torch.autograd.grad`` of the first output w.r.t. every float input (x, weight, bias, residual)
-with ``retain_graph=True``. ``torch._dynamo.reset()`` runs before each case, so torch.compile
-compiles every shape afresh instead of falling back to eager after its recompile limit. Row tensors
-hold 2^27 elements (M = 2^27 // N), well past L2; the ``few`` suite is small on purpose (inference).
+with ``retain_graph=True``. On CUDA the timer is ``triton.testing.do_bench`` (median; it flushes L2
+between runs); on other devices :func:`event_bench` does the same with the device module's events
+(``torch.get_device_module(device)``), and the fp64 reference is computed on the CPU from copies of
+the device inputs (NPU fp64 support is partial). ``torch._dynamo.reset()`` runs before each case, so
+torch.compile compiles every shape afresh instead of falling back to eager after its recompile limit.
+Row tensors hold 2^27 elements (M = 2^27 // N), well past L2; the ``few`` suite is small on purpose
+(inference).
 
 Bytes counted are the fewest the op must move, in units of the input's size (``UNITS``; weight,
 bias and statistics traffic is negligible and not counted):
@@ -20,7 +24,8 @@ bias and statistics traffic is negligible and not counted):
                                                 bwd 4: read dy, h; write dx, dresidual
 
 The add-norms' backward feeds only y's gradient (h unused downstream). torch's side of an add-norm
-is ``h = x + residual; y = norm(h)``; normkit's is the fused op with ``prenorm=True``.
+is ``h = x + residual; y = norm(h)``; normkit's is the fused op with ``prenorm=True``. On an NPU,
+"torch" is F.* on NPU tensors, which torch_npu runs with Ascend's own (aclnn) kernels.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import json
 import math
 import os
 import shlex
+import statistics
 import sys
 import time
 import zlib
@@ -52,7 +58,8 @@ from normkit.testing import (
     softmax_reference,
 )
 
-IMPLS = ("normkit", "torch", "torch.compile", "liger", "quack")
+IMPLS = ("normkit", "torch", "torch.compile", "liger", "quack", "torch_npu")
+DEVICES = ("auto", "cuda", "npu")  # --device; auto: cuda if available, else npu
 ROW_OPS = ("layer_norm", "rms_norm", "softmax", "log_softmax", "add_layer_norm", "add_rms_norm")
 IMAGE_OPS = ("group_norm", "batch_norm")
 DIM0_OPS = ("softmax_dim0", "log_softmax_dim0")
@@ -78,12 +85,25 @@ DEFAULT_NS = list(SWEEP_NS)  # kept for ci/ scripts
 RESULTS = "results.json"
 FORMAT = "normkit-bench/1"
 
-# Which ops Liger-Kernel and quack implement here (normkit, torch and torch.compile: all of them).
+# Which ops Liger-Kernel, quack and torch_npu implement here (normkit, torch and torch.compile: all).
 SERVES = {
     "liger": {"layer_norm", "rms_norm", "softmax", "add_rms_norm", "group_norm"},
     "quack": {"rms_norm", "softmax", "add_rms_norm"},
+    "torch_npu": {"rms_norm", "add_rms_norm", "add_layer_norm"},  # see _torch_npu_forward
 }
-IMPORTS = {"liger": "liger_kernel", "quack": "quack"}
+IMPORTS = {"liger": "liger_kernel", "quack": "quack", "torch_npu": "torch_npu"}
+# Implementations measured on one device type only (normkit and torch: on every device).
+ONLY_ON = {"torch.compile": "cuda", "liger": "cuda", "quack": "cuda", "torch_npu": "npu"}
+NOT_ON = {  # why an implementation is not measured on a device type, where "<type> only" says too little
+    ("torch.compile", "npu"): "not measured on npu: torch.compile there needs one of torch_npu's Inductor "
+                              "backends (TORCHINDUCTOR_NPU_BACKEND, set before `import torch`) or torchair's "
+                              "npu_backend, none of which normkit bench picks",
+    ("liger", "npu"): "measured on cuda only", ("quack", "npu"): "measured on cuda only (CUDA kernels)",
+}  # fmt: skip
+# (impl, op) whose backward the library does not implement: the bwd cell says "-", not "fail".
+FORWARD_ONLY = {("torch_npu", "add_rms_norm")}
+FLUSH_BYTES = 256 << 20  # written between timed runs to evict L2, as triton's drivers do for do_bench
+REFERENCE_ON_DEVICE = ("cuda", "cpu")  # device types whose fp64 is complete; others: reference on the CPU
 
 
 class UsageError(Exception):
@@ -206,14 +226,21 @@ def shard_spec(text):
 # --- implementations ------------------------------------------------------------------------------
 
 
-def available_impls() -> dict[str, str]:
-    """{impl: "" if importable else the reason}; imports Liger-Kernel / quack to find out."""
-    status = {impl: "" for impl in IMPLS}
-    for impl, module in IMPORTS.items():
+def available_impls(device_type="cuda") -> dict[str, str]:
+    """{impl: "" if it can be measured on ``device_type`` else the reason}.
+
+    Imports Liger-Kernel / quack (on cuda) or torch_npu (on npu) to find out, never on another device.
+    """
+    status = {}
+    for impl in IMPLS:
+        only = ONLY_ON.get(impl, device_type)
+        status[impl] = "" if only == device_type else NOT_ON.get((impl, device_type), f"{only} only")
+        if status[impl] or impl not in IMPORTS:
+            continue
         try:
-            importlib.import_module(module)
+            importlib.import_module(IMPORTS[impl])
         except Exception as exc:  # ImportError, or a dependency failing at import
-            status[impl] = f"{module} not importable ({type(exc).__name__}: {exc})"
+            status[impl] = f"{IMPORTS[impl]} not importable ({type(exc).__name__}: {exc})"
     return status
 
 
@@ -273,12 +300,51 @@ def _quack_forward(op):
     return lambda i: rmsnorm(i["x"], i["weight"], residual=i["residual"], eps=EPS, prenorm=True)
 
 
+# torch_npu's fused norms, from Ascend/op-plugin (the source of torch_npu's custom ops):
+# op_plugin/config/derivatives.yaml (schemas and registered derivatives) and
+# docs/context/（beta）torch_npu-npu_rms_norm.md, torch_npu-npu_add_rms_norm.md:
+#   npu_rms_norm(self, gamma, epsilon=1e-06) -> (y, rstd)   rstd = 1 / Rms(x) (fp32, for the backward);
+#       derivative npu_rms_norm_backward (y differentiable, rstd not).
+#   npu_add_rms_norm(x1, x2, gamma, epsilon=1e-06) -> (y, rstd, x)   x = x1 + x2. No derivative is
+#       registered (op-plugin's tests expect "... not implemented" from its backward): forward only.
+#   npu_add_layer_norm(x1, x2, gamma, beta, epsilon=1e-05, additional_output=False) -> (y, mean, rstd, x)
+#       x only with additional_output=True; derivative npu_add_layer_norm_backward. Newer releases insert
+#       an optional bias before epsilon, so epsilon and additional_output go by keyword.
+# gamma must have x's dtype (it does here: make_inputs draws weight in the input dtype). There is no
+# fused op to set beside the others: LayerNorm (npu_layer_norm_eval is deprecated for F.layer_norm and
+# has no backward), softmax (npu_scaled_masked_softmax is masked, scaled and 4-D only), GroupNorm (only
+# fused with SiLU / Swish), BatchNorm. F.* on NPU tensors already runs Ascend's aclnn kernels ("torch").
+def _torch_npu_forward(op):
+    if op not in SERVES["torch_npu"]:
+        raise ValueError(f"op {op!r}: torch_npu has no fused op for it here (it serves "
+                         f"{', '.join(sorted(SERVES['torch_npu']))})")  # fmt: skip
+    npu = importlib.import_module("torch_npu")
+    if op == "rms_norm":
+        return lambda i: (npu.npu_rms_norm(i["x"], i["weight"], epsilon=EPS)[0],)
+    if op == "add_rms_norm":
+        def add_rms_norm(i):
+            y, _rstd, h = npu.npu_add_rms_norm(i["x"], i["residual"], i["weight"], epsilon=EPS)
+            return y, h
+
+        return add_rms_norm
+
+    def add_layer_norm(i):  # additional_output=True: h comes back as the fourth output
+        outs = npu.npu_add_layer_norm(i["x"], i["residual"], i["weight"], i["bias"], epsilon=EPS,
+                                      additional_output=True)  # fmt: skip
+        y, _mean, _rstd, h = outs
+        return y, h
+
+    return add_layer_norm
+
+
 def forward_fn(impl, op):
     """fn(inputs dict) -> tuple of outputs (y, or y and h for the add-norms)."""
     if impl == "liger":
         return _liger_forward(op)
     if impl == "quack":
         return _quack_forward(op)
+    if impl == "torch_npu":
+        return _torch_npu_forward(op)
     fn = _api_forward(normkit if impl == "normkit" else F, op)
     return torch.compile(fn, dynamic=False) if impl == "torch.compile" else fn
 
@@ -290,7 +356,7 @@ def make_inputs(case, device) -> dict:
     """Fresh random inputs (leaves requiring grad) and dy for one case."""
     dtype = getattr(torch, case.dtype)
     seed = zlib.crc32(f"{case.op} {case.dtype} {case.label}".encode())
-    g = torch.Generator(device=device).manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)  # torch_npu has npu generators too
 
     def rand(shape, scale=1.0, offset=0.0, grad=True):
         t = torch.randn(shape, generator=g, device=device, dtype=dtype) * scale + offset
@@ -316,6 +382,13 @@ LEAVES = ("x", "weight", "bias", "residual")  # the float inputs gradients are t
 
 def leaves(inp):
     return [inp[k] for k in LEAVES if k in inp]
+
+
+def reference_inputs(inp, device) -> dict:
+    """The inputs the fp64 reference is computed from: ``inp`` itself on CUDA / CPU, else CPU copies."""
+    if torch.device(device).type in REFERENCE_ON_DEVICE:
+        return inp
+    return {k: v.detach().cpu() for k, v in inp.items()}
 
 
 def reference(case, inp) -> dict:
@@ -349,8 +422,8 @@ def _check(name, got, expected, case, kind):
     rows = case.numel // got.numel() if kind == "param" else 1
     errors = []
     for exp in expected:
-        try:
-            return assert_close(got, exp.reshape(got.shape), dtype, kind, name, rows)
+        try:  # compared on the reference's device (the CPU for an NPU's results)
+            return assert_close(got.detach().to(exp.device), exp.reshape(got.shape), dtype, kind, name, rows)
         except AssertionError as exc:
             errors.append(exc)
     raise errors[0]
@@ -366,8 +439,9 @@ def check_backward(case, inp, outs, grads, ref):
         name = "d" + key
         expected = [ref[name]]
         if "softmax" in case.op:  # the contract: dx from the saved (rounded) y; fp64 y accepted too
-            dim = 0 if case.op in DIM0_OPS else -1
-            expected.insert(0, _softmax_bwd_reference(case.op.removesuffix("_dim0"), outs[0], inp["dy"], dim))
+            dim, where = 0 if case.op in DIM0_OPS else -1, ref["y"].device
+            y, dy = outs[0].detach().to(where), inp["dy"].to(where)
+            expected.insert(0, _softmax_bwd_reference(case.op.removesuffix("_dim0"), y, dy, dim))
         _check(name, got, expected, case, "param" if key in ("weight", "bias") else "bwd")
 
 
@@ -379,6 +453,51 @@ def do_bench_timer(warmup_ms=25, rep_ms=100):
     from triton.testing import do_bench
 
     return lambda fn: do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def event_bench(fn, module, flush, warmup_ms=25, rep_ms=100) -> float:
+    """Median ms of ``fn``, timed as triton.testing.do_bench does with ``module``'s events.
+
+    ``module``: a device module (torch.cuda, torch.npu: ``Event(enable_timing=True)``, ``synchronize``);
+    ``flush``: a tensor zeroed before each timed run (evicts L2). Five runs estimate the time per run,
+    which sets the warm-up and timed run counts (at least one each; the estimate is floored at 1 us).
+    """
+    fn()
+    module.synchronize()
+    start, end = module.Event(enable_timing=True), module.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        flush.zero_()
+        fn()
+    end.record()
+    module.synchronize()
+    estimate = max(start.elapsed_time(end) / 5, 1e-3)
+    n_warmup, n_repeat = max(1, int(warmup_ms / estimate)), max(1, int(rep_ms / estimate))
+    starts = [module.Event(enable_timing=True) for _ in range(n_repeat)]
+    ends = [module.Event(enable_timing=True) for _ in range(n_repeat)]
+    for _ in range(n_warmup):
+        fn()
+    for s, e in zip(starts, ends):
+        flush.zero_()
+        s.record()
+        fn()
+        e.record()
+    module.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def event_timer(device, warmup_ms=25, rep_ms=100, module=None, flush=None):
+    """A timer(fn) -> ms by :func:`event_bench` on ``device`` (module: torch.get_device_module(device))."""
+    module = module or torch.get_device_module(device)
+    flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device=device) if flush is None else flush
+    return lambda fn: event_bench(fn, module, flush, warmup_ms, rep_ms)
+
+
+def make_timer(device, warmup_ms=25, rep_ms=100):
+    """do_bench on CUDA (unchanged); device events with an L2 flush (:func:`event_timer`) elsewhere."""
+    if torch.device(device).type == "cuda":
+        return do_bench_timer(warmup_ms, rep_ms)
+    return event_timer(device, warmup_ms, rep_ms)
 
 
 def _error(exc) -> str:
@@ -411,7 +530,10 @@ def measure_row(case, impl, inp, ref, timer, copy) -> dict:
         result["bwd"] = ("wrong", None)
         result["error"] = result["error"] or _error(exc)
     except Exception as exc:
-        result["error"] = result["error"] or _error(exc)
+        if (impl, case.op) in FORWARD_ONLY:  # no backward to measure: "-" (not implemented), no error
+            result["bwd"] = ("-", None)
+        else:
+            result["error"] = result["error"] or _error(exc)
     return make_row(case, impl, copy, result["fwd"], result["bwd"], result["error"])
 
 
@@ -434,13 +556,13 @@ def with_fractions(row) -> dict:
     return row
 
 
-def copy_gbps(device, nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy bandwidth (bytes read + written) in GB/s."""
-    from triton.testing import do_bench
-
+def copy_gbps(device, nbytes: int = 1 << 30, timer=None) -> float:
+    """Device-to-device copy bandwidth (bytes read + written) in GB/s, timed by ``timer`` (default:
+    :func:`make_timer` with 50 ms warm-up and 300 ms of runs, the same timer as the measurements)."""
+    timer = timer or make_timer(device, 50, 300)
     src = torch.randn(nbytes // 4, device=device)
     dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    ms = timer(lambda: dst.copy_(src))
     return 2 * nbytes / ms / 1e6
 
 
@@ -449,7 +571,8 @@ def measure(impl, op, m, n, dtype, device="cuda"):
     case = Case("sweep", op, str(dtype).replace("torch.", ""), (m, n))
     inp = make_inputs(case, device)
     torch._dynamo.reset()
-    row = measure_row(case, impl, inp, reference(case, inp), do_bench_timer(), copy=None)
+    row = measure_row(case, impl, inp, reference(case, reference_inputs(inp, device)), make_timer(device),
+                      copy=None)  # fmt: skip
     if row["fwd_status"] != "ok" or row["bwd_status"] != "ok":
         raise RuntimeError(f"{impl} {op} {case.label}: {row['error']}")
     return row["fwd_ms"], row["bwd_ms"]
@@ -493,7 +616,7 @@ def run(cases, impls, device="cuda", timer=None, copy=None, done=(), on_row=None
 
     Returns (rows, {suite: seconds}). ``on_row(row)`` is called after each measurement.
     """
-    timer = timer or do_bench_timer()
+    timer = timer or make_timer(device)
     todo = pending(cases, impls, done)
     bar = progress(sum(len(i) for _, i in todo))
     rows, sections = [], {}
@@ -504,7 +627,7 @@ def run(cases, impls, device="cuda", timer=None, copy=None, done=(), on_row=None
                 bar.set_description_str(f"{suite} {case.op} {case.dtype} {case.label}")
                 try:
                     inp = make_inputs(case, device)
-                    ref = reference(case, inp)
+                    ref = reference(case, reference_inputs(inp, device))
                 except Exception as exc:  # e.g. out of memory: every implementation of the case fails
                     inp = ref = None
                     error = "reference: " + _error(exc)
@@ -539,15 +662,49 @@ def row_key(case_or_row, impl=None):
     return r["op"], r["dtype"], r["shape"], r["impl"]
 
 
+def _dist_version(*names):
+    import importlib.metadata
+
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return None
+
+
+def device_info(device) -> dict:
+    """The device's name (key ``gpu`` on every device type, so results files keep one format), its
+    SMs (CUDA) or vector cores (NPU), and the device stack's versions."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return dict(device="cuda", gpu=props.name, sm_count=props.multi_processor_count,
+                    cuda=torch.version.cuda)  # fmt: skip
+    module = torch.get_device_module(device)
+    index = module.current_device() if device.index is None else device.index
+    info = dict(device=device.type, gpu=module.get_device_name(index),
+                torch_npu=_dist_version("torch-npu", "torch_npu"))  # fmt: skip
+    try:
+        from normkit.backends.npu import config as npu_config
+
+        info["vector_cores"] = npu_config.vector_cores(device)
+    except Exception:  # the count is informative only
+        pass
+    return info
+
+
 def metadata(device, copy, args_summary) -> dict:
     """What a run was measured on, and how."""
-    import triton
+    try:
+        import triton
 
-    props = torch.cuda.get_device_properties(device)
-    return dict(gpu=props.name, sm_count=props.multi_processor_count, torch=torch.__version__,
-                cuda=torch.version.cuda, triton=triton.__version__, normkit=normkit.__version__,
-                date=datetime.now(timezone.utc).isoformat(timespec="seconds"), copy_gbps=copy,
-                command="normkit " + shlex.join(sys.argv[1:]), **args_summary)  # fmt: skip
+        triton_version = getattr(triton, "__version__", None) or _dist_version("triton-ascend", "triton")
+    except ImportError:
+        triton_version = None
+    return dict(**device_info(device), torch=torch.__version__, triton=triton_version,
+                normkit=normkit.__version__, date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                copy_gbps=copy, command="normkit " + shlex.join(sys.argv[1:]), **args_summary)  # fmt: skip
 
 
 def write_json(path, parts, rows):
@@ -573,13 +730,24 @@ def read_json(path):
     return data["parts"], [with_fractions(r) for r in data["rows"]]
 
 
+def part_device(part) -> str:
+    """The device type a part was measured on (results written before --device existed: cuda)."""
+    return part.get("device", "cuda")
+
+
 def merge(sources):
-    """(parts, rows) of several results: parts concatenated; a row measured again replaces the older."""
+    """(parts, rows) of several results: parts concatenated; a row measured again replaces the older.
+
+    Rows are keyed without the device, so parts measured on different device types are refused."""
     parts, rows = [], {}
     for src in sources:
         p, r = read_json(src)
         parts += p
         rows.update((row_key(row), row) for row in r)
+    types = sorted({part_device(p) for p in parts})
+    if len(types) > 1:
+        raise UsageError(f"--merge: the parts were measured on different device types ({', '.join(types)}); "
+                         "merge each device's parts separately")  # fmt: skip
     return parts, list(rows.values())
 
 
@@ -607,8 +775,13 @@ def _cell(row, direction):
 
 def format_table(parts, rows) -> str:
     """One line per case; per implementation, forward and backward as 'GB/s fraction-of-copy'."""
-    lines = [f"copy {p['copy_gbps']:.0f} GB/s (read + write) on {p['gpu']} ({p['sm_count']} SMs), "
-             f"torch {p['torch']}, triton {p['triton']}, {p['date']}" for p in parts]  # fmt: skip
+    lines = []
+    for p in parts:
+        cores = f"{p['sm_count']} SMs" if p.get("sm_count") else f"{p.get('vector_cores', '?')} vector cores"
+        stack = f", torch_npu {p['torch_npu']}" if p.get("torch_npu") else ""
+        lines.append(f"copy {p['copy_gbps']:.0f} GB/s (read + write) on {p['gpu']} ({cores}), torch "
+                     f"{p['torch']}{stack}, triton {p['triton']}, {p['date']}")  # fmt: skip
+        lines += [f"  not measured: {impl}: {reason}" for impl, reason in p.get("skipped", {}).items()]
     lines.append("cells: GB/s and fraction of copy; fail = raised, wrong = off the fp64 reference, "
                  "- = not implemented")  # fmt: skip
     impls = [i for i in IMPLS if any(r["impl"] == i for r in rows)]
@@ -726,17 +899,57 @@ def _merge_command(args) -> int:
     return _exit_status(rows)
 
 
-def _impls(requested) -> list[str]:
-    status = available_impls()
+def _impls(requested, device_type="cuda") -> tuple[list[str], dict[str, str]]:
+    """(implementations to measure, {implementation not measured: why}).
+
+    The reasons printed and returned leave out implementations made for another device type (torch_npu
+    on cuda), but keep those NOT_ON explains (torch.compile, Liger-Kernel, quack on npu)."""
+    status = available_impls(device_type)
     if requested:
         missing = [f"{i}: {status[i]}" for i in requested if status[i]]
         if missing:
-            raise UsageError("requested implementations are unavailable: " + "; ".join(missing))
-        return list(requested)
-    for impl, reason in status.items():
-        if reason:
-            print(f"normkit bench: skipping {impl}: {reason}", file=sys.stderr)
-    return [i for i in IMPLS if not status[i]]
+            raise UsageError(f"--impls: unavailable on {device_type}: " + "; ".join(missing))
+        return list(requested), {}
+    meant_here = lambda i: ONLY_ON.get(i, device_type) == device_type or (i, device_type) in NOT_ON  # noqa: E731
+    skipped = {i: r for i, r in status.items() if r and meant_here(i)}
+    for impl, reason in skipped.items():
+        print(f"normkit bench: skipping {impl}: {reason}", file=sys.stderr)
+    return [i for i in IMPLS if not status[i]], skipped
+
+
+def _npu_status() -> tuple[bool, str]:
+    """normkit.testing.npu_status (imports torch_npu only where it is installed), import errors as reasons."""
+    from normkit.testing import npu_status
+
+    try:
+        return npu_status()
+    except Exception as exc:  # torch_npu installed but failing to load (e.g. CANN missing)
+        return False, f"torch_npu failed to import ({_error(exc)})"
+
+
+NO_DEVICE_HINT = "--list shows the cases and --merge works without one"
+
+
+def resolve_device(requested="auto") -> str:
+    """The device type to measure on for ``--device requested``; UsageError when it is absent.
+
+    auto: cuda if torch.cuda.is_available(), else npu if an Ascend NPU is usable. torch_npu is imported
+    only for ``npu`` or for ``auto`` without a GPU, and only where it is installed.
+    """
+    if requested not in DEVICES:
+        raise UsageError(f"--device {requested!r}: choose from {', '.join(DEVICES)}")
+    if requested in ("auto", "cuda") and torch.cuda.is_available():
+        return "cuda"
+    if requested == "cuda":
+        raise UsageError(f"--device cuda: needs a CUDA GPU (torch.cuda.is_available() is False); "
+                         f"{NO_DEVICE_HINT}")  # fmt: skip
+    ok, reason = _npu_status()
+    if ok:
+        return "npu"
+    if requested == "npu":
+        raise UsageError(f"--device npu: needs an Ascend NPU ({reason}); {NO_DEVICE_HINT}")
+    raise UsageError(f"needs a CUDA GPU or an Ascend NPU (--device auto: torch.cuda.is_available() is False; "
+                     f"npu: {reason}); {NO_DEVICE_HINT}")  # fmt: skip
 
 
 def command(args) -> int:
@@ -765,22 +978,23 @@ def _bench_command(args) -> int:
         return 0
     if args.resume and not args.out:
         raise UsageError("--resume needs --out DIR (the directory whose results it continues)")
-    if not torch.cuda.is_available():
-        print("normkit bench: needs a CUDA GPU (torch.cuda.is_available() is False); --list shows the "
-              "cases and --merge works without one", file=sys.stderr)  # fmt: skip
-        return 2
-    impls = _impls(args.impls)
+    device_type = resolve_device(getattr(args, "device", None) or "auto")
+    impls, skipped = _impls(args.impls, device_type)
     parts, old_rows = read_json(args.out) if args.resume and (Path(args.out) / RESULTS).exists() else ([], [])
+    others = sorted({part_device(p) for p in parts} - {device_type})
+    if others:
+        raise UsageError(f"--resume: {args.out} holds results measured on {', '.join(others)}, not "
+                         f"{device_type}; measure {device_type} into another --out DIR")  # fmt: skip
     done = {row_key(r) for r in old_rows}
     todo = pending(cases, impls, done)
     if not todo:
         print(format_table(parts, old_rows))
         print(f"\nnothing to do: {args.out} has every measurement of these cases", file=sys.stderr)
         return _exit_status(old_rows)
-    device = torch.device("cuda", torch.cuda.current_device())
+    device = torch.device(device_type, torch.get_device_module(device_type).current_device())
     copy = copy_gbps(device)
     summary = dict(suites=args.suite or list(SUITES), dtypes=sorted({c.dtype for c in cases}), impls=impls,
-                   warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
+                   skipped=skipped, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
                    shard="/".join(map(str, args.shard)) if args.shard else None)  # fmt: skip
     part = metadata(device, copy, summary)
     parts.append(part)
@@ -795,7 +1009,7 @@ def _bench_command(args) -> int:
             Path(args.out).mkdir(parents=True, exist_ok=True)
             write_json(Path(args.out) / RESULTS, parts, old_rows + new_rows)
 
-    timer = do_bench_timer(args.warmup_ms, args.rep_ms)
+    timer = make_timer(device, args.warmup_ms, args.rep_ms)
     _, part["sections"] = run(cases, impls, device, timer, copy, done, save)
     part["elapsed_s"] = time.perf_counter() - start
     rows = old_rows + new_rows

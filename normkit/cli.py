@@ -162,9 +162,17 @@ suites (default: all):
          N = 1024, 4096, 32768, M = 2^27 // N
 --quick: sweep N=4096, small N=256, few 16x4096, the first image shape, dim0 N=4096; bfloat16.
 
+devices (--device, default auto: cuda if available, else npu):
+  cuda  normkit, torch eager, torch.compile, Liger-Kernel and quack (when importable), timed
+        with triton.testing.do_bench
+  npu   normkit, torch eager (Ascend's aclnn kernels) and torch_npu's fused ops: npu_rms_norm,
+        npu_add_rms_norm (forward only: torch_npu has no backward for it), npu_add_layer_norm;
+        timed with torch.npu events and an L2 flush between runs; fp64 references on the CPU.
+        torch.compile, Liger-Kernel and quack are not measured there (the table says why).
+
 Every result is checked against the fp64 reference before it is timed: `fail` = the
 implementation raised, `wrong` = output or gradient off the reference (exit status 1 after the
-sweep). Exit 2: no CUDA GPU, or bad arguments.
+sweep), `-` = not implemented. Exit 2: no CUDA GPU or NPU for --device, or bad arguments.
 
 The full run takes about half an hour on an H100. Splitting it (e.g. for a 10-minute limit per
 command) and merging the parts:
@@ -180,7 +188,8 @@ def add_bench_parser(sub):
     from normkit import bench
 
     p = sub.add_parser(
-        "bench", help="GB/s and fraction of copy: normkit vs torch vs torch.compile (+ Liger, quack) (CUDA)",
+        "bench", help="GB/s and fraction of copy: normkit vs torch vs torch.compile, Liger, quack (CUDA) or "
+                      "torch_npu (NPU)",
         description=bench.__doc__.split("\n\n")[0], epilog=BENCH_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
@@ -193,8 +202,11 @@ def add_bench_parser(sub):
     p.add_argument("--n", type=bench.int_list, metavar="LIST",
                    help="row lengths N for the sweep, small, few and dim0 suites (M = 2^27 // N; few keeps "
                         "its M)")
+    p.add_argument("--device", choices=bench.DEVICES, default="auto",
+                   help="device to measure on (auto: cuda if available, else npu; exit 2 when neither is)")
     p.add_argument("--impls", type=bench.comma_list(bench.IMPLS, "implementation"), metavar="LIST",
-                   help=f"implementations (default: those importable of {','.join(bench.IMPLS)})")
+                   help=f"implementations (default: those of {','.join(bench.IMPLS)} importable and measured "
+                        "on the device)")
     p.add_argument("--quick", action="store_true", help="one small subset of each suite, bfloat16")
     p.add_argument("--out", metavar="DIR",
                    help="write results.json, results.csv, table.txt and plots/*.png here (default: none)")
@@ -207,9 +219,9 @@ def add_bench_parser(sub):
                         "table (and --out DIR set); measures nothing, needs no GPU")
     p.add_argument("--list", action="store_true", help="print the cases and exit (needs no GPU)")
     p.add_argument("--rep-ms", type=float, default=100, metavar="MS",
-                   help="do_bench: time to spend timing each measurement (default: 100)")
+                   help="time spent timing each measurement (do_bench on cuda, events on npu; default: 100)")
     p.add_argument("--warmup-ms", type=float, default=25, metavar="MS",
-                   help="do_bench: warm-up time before each measurement (default: 25)")
+                   help="warm-up time before each measurement (default: 25)")
     p.set_defaults(fn=cmd_bench)
     return p
 

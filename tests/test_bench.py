@@ -1,10 +1,14 @@
 """`normkit bench` without timing: case plans, arguments, byte counts, result files, merge, table,
-plots, and the check-then-time loop on CPU tensors with a stand-in timer."""
+plots, and the check-then-time loop on CPU tensors with a stand-in timer; devices, implementations per
+device, the torch_npu wrappers (a fake torch_npu module) and the event timer (a fake device module)."""
 
 import argparse
 import csv
 import json
 import math
+import statistics
+import sys
+import types
 
 import pytest
 import torch
@@ -117,7 +121,8 @@ def test_repeated_shapes_run_once():
 
 
 @pytest.mark.parametrize("argv", [["--dtypes", "bf16"], ["--suite", "big"], ["--ops", "norm"],
-                                  ["--n", "0"], ["--n", "x"], ["--shard", "3/2"], ["--impls", "apex"]])
+                                  ["--n", "0"], ["--n", "x"], ["--shard", "3/2"], ["--impls", "apex"],
+                                  ["--device", "tpu"]])
 def test_bad_arguments_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         parse(*argv)
@@ -146,7 +151,16 @@ def test_no_case_selected_exits_2(capsys):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message printed without a GPU")
 def test_without_cuda_exits_2(capsys):
     assert cli.main(["bench", "--quick"]) == 2
-    assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert "needs a CUDA GPU or an Ascend NPU" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message printed without a GPU")
+@pytest.mark.parametrize("device", ["cuda", "npu"])
+def test_without_the_requested_device_exits_2(device, capsys, monkeypatch):
+    monkeypatch.setattr(bench, "_npu_status", lambda: (False, "torch_npu is not installed"))
+    assert cli.main(["bench", "--quick", "--device", device]) == 2
+    err = capsys.readouterr().err
+    assert f"--device {device}: needs" in err and "--list shows the cases" in err
 
 
 def test_resume_needs_out(capsys):
@@ -170,8 +184,8 @@ def test_help_lists_every_option(capsys):
     with pytest.raises(SystemExit):
         parse("--help")
     out = capsys.readouterr().out
-    options = "--suite --ops --dtypes --n --impls --quick --out --resume --shard --merge --list --rep-ms "
-    options += "--warmup-ms"
+    options = "--suite --ops --dtypes --n --device --impls --quick --out --resume --shard --merge --list "
+    options += "--rep-ms --warmup-ms"
     assert all(option in out for option in options.split())
     assert all(suite in out for suite in bench.SUITES)
 
@@ -364,6 +378,298 @@ def test_run_skips_what_is_done():
     rows, _ = bench.run(TINY[:2], ["normkit", "torch"], "cpu", fake_timer, copy=1.0, done=done)
     assert [(r["impl"], r["dtype"]) for r in rows] == [("normkit", "bfloat16"), ("normkit", "float32"),
                                                        ("torch", "float32")]  # fmt: skip
+
+
+# --- devices and the implementations measured on each -------------------------------------------
+
+
+def test_device_argument():
+    assert parse().device == "auto"
+    assert parse("--device", "npu").device == "npu"
+
+
+@pytest.mark.parametrize("requested,cuda,npu,expected", [
+    ("auto", True, True, "cuda"), ("auto", False, True, "npu"), ("cuda", True, True, "cuda"),
+    ("npu", True, True, "npu")])  # fmt: skip
+def test_resolve_device(requested, cuda, npu, expected, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(bench, "_npu_status", lambda: (npu, "" if npu else "no NPU"))
+    assert bench.resolve_device(requested) == expected
+
+
+def test_torch_npu_is_looked_for_only_when_asked(monkeypatch):
+    def npu_status():
+        raise AssertionError("torch_npu looked for")
+
+    monkeypatch.setattr(bench, "_npu_status", npu_status)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert bench.resolve_device("auto") == "cuda"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(bench.UsageError, match="--device cuda: needs a CUDA GPU"):
+        bench.resolve_device("cuda")
+
+
+def test_resolve_device_names_what_is_missing(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(bench, "_npu_status", lambda: (False, "torch_npu is not installed"))
+    with pytest.raises(bench.UsageError, match=r"--device npu: needs an Ascend NPU \(torch_npu is not inst"):
+        bench.resolve_device("npu")
+    with pytest.raises(bench.UsageError, match="CUDA GPU or an Ascend NPU.*npu: torch_npu is not installed"):
+        bench.resolve_device("auto")
+    with pytest.raises(bench.UsageError, match="--device 'tpu'"):
+        bench.resolve_device("tpu")
+
+
+def test_npu_status_import_failure_is_a_reason(monkeypatch):
+    import normkit.testing
+
+    def npu_status():
+        raise OSError("libhccl.so: cannot open shared object file")
+
+    monkeypatch.setattr(normkit.testing, "npu_status", npu_status)
+    ok, reason = bench._npu_status()
+    assert not ok
+    assert reason == "torch_npu failed to import (OSError: libhccl.so: cannot open shared object file)"
+
+
+def test_impls_per_device(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch_npu", fake_torch_npu([]))
+    for module in ("liger_kernel", "quack"):  # importing them fails: on npu they must not be tried
+        monkeypatch.setitem(sys.modules, module, None)
+    npu = bench.available_impls("npu")
+    assert [i for i, reason in npu.items() if not reason] == ["normkit", "torch", "torch_npu"]
+    assert "TORCHINDUCTOR_NPU_BACKEND" in npu["torch.compile"] and "torchair" in npu["torch.compile"]
+    assert npu["liger"] == "measured on cuda only" and npu["quack"].startswith("measured on cuda only")
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # on cuda torch_npu must not be imported either
+    cuda = bench.available_impls("cuda")
+    assert cuda["torch_npu"] == "npu only"
+    assert "liger_kernel not importable" in cuda["liger"] and "quack not importable" in cuda["quack"]
+    assert cuda["normkit"] == cuda["torch"] == cuda["torch.compile"] == ""
+
+
+def test_impls_on_npu_default_and_requested(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torch_npu", fake_torch_npu([]))
+    impls, skipped = bench._impls(None, "npu")
+    assert impls == ["normkit", "torch", "torch_npu"] and set(skipped) == {"torch.compile", "liger", "quack"}
+    assert "skipping torch.compile: not measured on npu" in capsys.readouterr().err
+    assert bench._impls(["torch_npu", "torch"], "npu") == (["torch_npu", "torch"], {})
+    with pytest.raises(bench.UsageError, match="--impls: unavailable on npu: liger: measured on cuda only"):
+        bench._impls(["normkit", "liger"], "npu")
+
+
+def test_impls_on_cuda_say_nothing_of_torch_npu(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torch_npu", None)
+    for module in ("liger_kernel", "quack"):
+        monkeypatch.setitem(sys.modules, module, None)
+    impls, skipped = bench._impls(None, "cuda")
+    assert impls == ["normkit", "torch", "torch.compile"] and set(skipped) == {"liger", "quack"}
+    assert "torch_npu" not in capsys.readouterr().err
+    with pytest.raises(bench.UsageError, match="--impls: unavailable on cuda: torch_npu: npu only"):
+        bench._impls(["torch_npu"], "cuda")
+
+
+def test_torch_npu_serves_its_fused_ops_only():
+    cases = plan("--quick", "--suite", "sweep")
+    todo = dict((c.op, impls) for c, impls in bench.pending(cases, ["normkit", "torch", "torch_npu"]))
+    assert {op for op, impls in todo.items() if "torch_npu" in impls} == {"rms_norm", "add_rms_norm",
+                                                                          "add_layer_norm"}  # fmt: skip
+    assert all(impls[:2] == ["normkit", "torch"] for impls in todo.values())
+    with pytest.raises(ValueError, match="op 'softmax': torch_npu has no fused op"):
+        bench.forward_fn("torch_npu", "softmax")
+
+
+# --- torch_npu's fused ops, through a fake torch_npu module ---------------------------------------
+
+
+def _rms(x, gamma, eps):
+    rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return (x.float() * rstd * gamma.float()).to(x.dtype), rstd
+
+
+def fake_torch_npu(calls):
+    """torch_npu's documented signatures and return tuples, computed with torch ops; ``calls`` records
+    (name, args, kwargs). npu_add_rms_norm runs without autograd: torch_npu registers no derivative."""
+
+    def npu_rms_norm(x, gamma, epsilon=1e-06):
+        calls.append(("npu_rms_norm", (x, gamma), dict(epsilon=epsilon)))
+        return _rms(x, gamma, epsilon)
+
+    def npu_add_rms_norm(x1, x2, gamma, epsilon=1e-06):
+        calls.append(("npu_add_rms_norm", (x1, x2, gamma), dict(epsilon=epsilon)))
+        with torch.no_grad():
+            x = x1 + x2
+            return (*_rms(x, gamma, epsilon), x)
+
+    def npu_add_layer_norm(x1, x2, gamma, beta, bias=None, epsilon=1e-05, additional_output=False):
+        calls.append(("npu_add_layer_norm", (x1, x2, gamma, beta),
+                      dict(bias=bias, epsilon=epsilon, additional_output=additional_output)))  # fmt: skip
+        x = x1 + x2
+        mean = x.float().mean(-1, keepdim=True)
+        rstd = torch.rsqrt(x.float().var(-1, unbiased=False, keepdim=True) + epsilon)
+        y = ((x.float() - mean) * rstd * gamma.float() + beta.float()).to(x.dtype)
+        return y, mean, rstd, x if additional_output else x.new_empty(0)  # x only when asked for
+
+    module = types.ModuleType("torch_npu")
+    module.npu_rms_norm, module.npu_add_rms_norm = npu_rms_norm, npu_add_rms_norm
+    module.npu_add_layer_norm = npu_add_layer_norm
+    return module
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_torch_npu_wrappers_pass_weight_eps_and_unpack(dtype, monkeypatch):
+    calls = []
+    monkeypatch.setitem(sys.modules, "torch_npu", fake_torch_npu(calls))
+    status = {}
+    for op in ("rms_norm", "add_rms_norm", "add_layer_norm"):
+        case = bench.Case("sweep", op, dtype, (6, 64))
+        inp = bench.make_inputs(case, "cpu")
+        calls.clear()
+        row = bench.measure_row(case, "torch_npu", inp, bench.reference(case, inp), fake_timer, copy=1.0)
+        status[op] = (row["fwd_status"], row["bwd_status"], row["error"])
+        name, args, kwargs = calls[0]
+        expected = {"rms_norm": ("x", "weight"), "add_rms_norm": ("x", "residual", "weight"),
+                    "add_layer_norm": ("x", "residual", "weight", "bias")}[op]  # fmt: skip
+        assert name == "npu_" + op and all(a is inp[k] for a, k in zip(args, expected, strict=True))
+        assert kwargs["epsilon"] == bench.EPS  # not torch_npu's default (1e-6 for the RMS norms)
+        if op == "add_layer_norm":
+            assert kwargs["additional_output"] is True and kwargs["bias"] is None
+    assert status["rms_norm"] == status["add_layer_norm"] == ("ok", "ok", "")
+    assert status["add_rms_norm"] == ("ok", "-", "")  # forward only: "-", not a failure
+
+
+def test_torch_npu_forward_only_cell_and_exit_status(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch_npu", fake_torch_npu([]))
+    cases = [bench.Case("sweep", "add_rms_norm", "float32", (6, 64))]
+    rows, _ = bench.run(cases, ["torch", "torch_npu"], "cpu", fake_timer, copy=100.0)
+    row = next(r for r in rows if r["impl"] == "torch_npu")
+    assert bench._cell(row, "bwd") == "-" and row["bwd_gbps"] is None and bench._exit_status(rows) == 0
+
+
+def test_a_wrong_torch_npu_result_is_reported(monkeypatch):
+    module = fake_torch_npu([])
+    module.npu_rms_norm = lambda x, gamma, epsilon=1e-06: _rms(x, gamma, 1.0)  # eps ignored: off by far
+    monkeypatch.setitem(sys.modules, "torch_npu", module)
+    case = bench.Case("sweep", "rms_norm", "float32", (6, 64))
+    rows, _ = bench.run([case], ["torch_npu"], "cpu", fake_timer, copy=1.0)
+    assert rows[0]["fwd_status"] == "wrong" and bench._exit_status(rows) == 1
+
+
+# --- inputs and references on devices without full fp64 -------------------------------------------
+
+
+def test_reference_inputs_are_cpu_copies_off_cuda():
+    case = bench.Case("sweep", "add_layer_norm", "bfloat16", (4, 32))
+    inp = bench.make_inputs(case, "cpu")
+    assert bench.reference_inputs(inp, "cpu") is inp
+    assert bench.reference_inputs(inp, torch.device("cuda", 0)) is inp  # CUDA: the reference stays there
+    host = bench.reference_inputs(inp, "meta")  # stands for an NPU: fp64 reference on the CPU
+    assert host.keys() == inp.keys()
+    for k, t in host.items():
+        assert t.device.type == "cpu" and not t.requires_grad and t.dtype == inp[k].dtype
+        assert torch.equal(t, inp[k].detach())
+
+
+# --- the event timer, with a fake device module ---------------------------------------------------
+
+
+class FakeEvent:
+    def __init__(self, device):
+        self.device, self.time = device, None
+
+    def record(self):
+        self.time = self.device.now
+
+    def elapsed_time(self, end):
+        return end.time - self.time
+
+
+class FakeDevice:
+    """A device module whose clock moves only when the timed function runs (``run``) or the L2 flush
+    buffer (the device itself) is zeroed; counts calls, flushes and synchronizations."""
+
+    def __init__(self, durations, flush_ms=0.5):
+        self.now, self.durations, self.flush_ms = 0.0, iter(durations), flush_ms
+        self.calls = self.flushes = self.syncs = 0
+
+    def Event(self, enable_timing=False):  # noqa: N802 (torch.cuda.Event's name)
+        assert enable_timing
+        return FakeEvent(self)
+
+    def synchronize(self):
+        self.syncs += 1
+
+    def zero_(self):
+        self.flushes += 1
+        self.now += self.flush_ms
+
+    def run(self):
+        self.calls += 1
+        self.now += next(self.durations)
+
+
+def test_event_bench_counts_like_do_bench():
+    dev = FakeDevice(iter(lambda: 2.0, None))
+    assert bench.event_bench(dev.run, dev, dev, warmup_ms=25, rep_ms=100) == 2.0  # the flush is not timed
+    # estimate (0.5 ms flush + 2 ms) = 2.5 ms: 10 warm-up runs, 40 timed runs
+    assert dev.calls == 1 + 5 + 10 + 40 and dev.flushes == 5 + 40 and dev.syncs == 3
+
+
+def test_event_bench_returns_the_median():
+    timed = [1.0, 2.0, 9.0, 3.0] * 10
+    dev = FakeDevice([2.0] * 16 + timed)  # 1 + 5 + 10 untimed runs of 2 ms, then 40 timed ones
+    assert bench.event_bench(dev.run, dev, dev) == statistics.median(timed) == 2.5
+
+
+def test_event_bench_runs_slow_functions_once():
+    dev = FakeDevice(iter(lambda: 500.0, None))
+    assert bench.event_timer("cpu", 25, 100, module=dev, flush=dev)(dev.run) == 500.0
+    assert dev.calls == 1 + 5 + 1 + 1 and dev.flushes == 5 + 1
+
+
+def test_copy_gbps_uses_the_given_timer():
+    assert bench.copy_gbps("cpu", nbytes=1 << 20, timer=lambda fn: (fn(), 0.25)[1]) == pytest.approx(
+        2 * (1 << 20) / 0.25 / 1e6)
+
+
+# --- NPU results: table, resume, merge ------------------------------------------------------------
+
+
+def npu_meta(copy=1500.0):
+    return dict(device="npu", gpu="Ascend910B4", vector_cores=40, torch="2.7.1", torch_npu="2.7.1.post2",
+                triton="3.2.0", date="2026-01-01T00:00:00+00:00", copy_gbps=copy,
+                command="normkit bench --device npu", skipped={"torch.compile": "not measured on npu: why"})
+
+
+def test_table_of_an_npu_run():
+    case = bench.Case("sweep", "add_rms_norm", "bfloat16", (32768, 4096))
+    rows = [bench.make_row(case, "torch", 1500.0, ("ok", 1.0), ("ok", 1.0)),
+            bench.make_row(case, "torch_npu", 1500.0, ("ok", 1.0), ("-", None))]  # fmt: skip
+    lines = bench.format_table([npu_meta()], rows).splitlines()
+    assert lines[0].startswith("copy 1500 GB/s (read + write) on Ascend910B4 (40 vector cores), torch 2.7.1, "
+                               "torch_npu 2.7.1.post2, triton 3.2.0")  # fmt: skip
+    assert lines[1] == "  not measured: torch.compile: not measured on npu: why"
+    header = next(line for line in lines if line.startswith("suite")).split()
+    assert header[-4:] == ["torch_npu", "fwd", "torch_npu", "bwd"]
+    assert next(line for line in lines if line.startswith("sweep")).split()[-1] == "-"
+    assert "failures" not in "\n".join(lines)
+
+
+def test_resume_refuses_another_devices_results(tmp_path, monkeypatch, capsys):
+    bench.write_json(tmp_path / "results.json", [meta(3000.0)], make_rows(3000.0))  # a CUDA run
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(bench, "_npu_status", lambda: (True, ""))
+    monkeypatch.setitem(sys.modules, "torch_npu", fake_torch_npu([]))
+    assert cli.main(["bench", "--quick", "--device", "npu", "--out", str(tmp_path), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert f"--resume: {tmp_path} holds results measured on cuda, not npu" in err
+
+
+def test_merge_refuses_mixed_devices(tmp_path, capsys):
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    bench.write_json(tmp_path / "a" / "results.json", [meta(3000.0)], make_rows(3000.0))
+    bench.write_json(tmp_path / "b" / "results.json", [npu_meta()], make_rows(1500.0))
+    assert cli.main(["bench", "--merge", f"{tmp_path / 'a'},{tmp_path / 'b'}"]) == 2
+    assert "different device types (cuda, npu)" in capsys.readouterr().err
 
 
 @pytest.mark.cuda

@@ -301,8 +301,8 @@ def _quack_forward(op):
 
 
 # torch_npu's fused norms, from Ascend/op-plugin (the source of torch_npu's custom ops):
-# op_plugin/config/derivatives.yaml (schemas and registered derivatives) and
-# docs/context/（beta）torch_npu-npu_rms_norm.md, torch_npu-npu_add_rms_norm.md:
+# op_plugin/config/derivatives.yaml (schemas and registered derivatives), the API pages
+# docs/context/（beta）torch_npu-npu_rms_norm.md and torch_npu.npu_add_rms_norm's, and op-plugin's tests:
 #   npu_rms_norm(self, gamma, epsilon=1e-06) -> (y, rstd)   rstd = 1 / Rms(x) (fp32, for the backward);
 #       derivative npu_rms_norm_backward (y differentiable, rstd not).
 #   npu_add_rms_norm(x1, x2, gamma, epsilon=1e-06) -> (y, rstd, x)   x = x1 + x2. No derivative is

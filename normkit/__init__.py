@@ -17,6 +17,8 @@ from normkit.functional import (
     rms_norm,
     softmax,
 )
+from normkit import nn
+from normkit.patch import patch, unpatch
 
 __version__ = "0.1.0"
 
@@ -30,6 +32,9 @@ __all__ = [
     "group_norm",
     "instance_norm",
     "batch_norm",
+    "nn",
+    "patch",
+    "unpatch",
     "backend_for",
     "backend_name_for",
     "InvalidArgument",

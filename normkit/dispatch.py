@@ -79,15 +79,18 @@ def use_backend(device_type: str, module_name: str) -> Iterator[None]:
         _OVERRIDES.reset(token)
 
 
-def backend_for_tensors(input: torch.Tensor, **others: torch.Tensor | None) -> ModuleType:
-    """Backend for ``input``'s device, after checking every other tensor lives on that device.
-
-    ``others`` maps argument names to tensors (or None), so an error can name the argument.
-    """
+def check_devices(input: torch.Tensor, **others: torch.Tensor | None) -> None:
+    """Every tensor of ``others`` (argument name -> tensor or None) on ``input``'s device, or an
+    error naming the argument."""
     for name, tensor in others.items():
         if tensor is not None and tensor.device != input.device:
             raise InvalidArgument(
                 f"{name} is on device {tensor.device} but input is on {input.device}; "
                 f"all tensors of one call must be on the same device"
             )
+
+
+def backend_for_tensors(input: torch.Tensor, **others: torch.Tensor | None) -> ModuleType:
+    """Backend for ``input``'s device, after checking every other tensor lives on that device."""
+    check_devices(input, **others)
     return backend_for(input.device)

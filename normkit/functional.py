@@ -8,16 +8,14 @@ forward and recomputes its own launch settings.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import numbers
 from types import ModuleType
 from typing import Sequence
 
 import torch
-from torch.autograd.function import once_differentiable
 
-from normkit import dispatch, reference
+from normkit import dispatch, ops, reference
 from normkit.errors import InvalidArgument, InvalidDtype
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -75,7 +73,13 @@ def _check_eps(op: str, eps) -> float:
     return float(eps)
 
 
-def _backend(op: str, input: torch.Tensor, name="input", **params) -> ModuleType:
+def _backend(op: str, input: torch.Tensor, name="input", **params) -> ModuleType | None:
+    """The backend serving ``input`` after the device and dtype checks; None while torch.compile
+    traces (the custom ops pick the backend when they run, and the backend lookup reads a
+    ContextVar that Dynamo cannot trace)."""
+    if torch.compiler.is_compiling():
+        dispatch.check_devices(input, **params)
+        return None
     backend = dispatch.backend_for_tensors(input, **params)
     if input.dtype not in backend.SUPPORTED_DTYPES:
         raise InvalidDtype(
@@ -110,60 +114,12 @@ def _prepare(op, input, normalized_shape, eps, input_name="input", **params):
     return backend, x, flat, eps
 
 
-def _on(device: torch.device):
-    """Make ``device`` current for the launch (a tensor on cuda:1 launches on cuda:1)."""
-    if device.type == "cpu":
-        return contextlib.nullcontext()
-    return torch.get_device_module(device.type).device(device)
-
-
-class _LayerNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, eps, backend):
-        with _on(x.device):
-            y, mean, rstd = backend.layer_norm_fwd(x, weight, bias, eps)
-        ctx.save_for_backward(x, weight, mean, rstd)
-        ctx.backend = backend
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        return y
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dy):
-        x, weight, mean, rstd = ctx.saved_tensors
-        dy = _unit_stride(dy)
-        with _on(x.device):
-            dx, dweight, dbias = ctx.backend.layer_norm_bwd(
-                dy, x, weight, mean, rstd, ctx.bias_dtype
-            )
-        return dx, dweight, dbias, None, None
-
-
-class _RMSNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, eps, backend):
-        with _on(x.device):
-            y, rstd = backend.rms_norm_fwd(x, weight, eps)
-        ctx.save_for_backward(x, weight, rstd)
-        ctx.backend = backend
-        return y
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dy):
-        x, weight, rstd = ctx.saved_tensors
-        dy = _unit_stride(dy)
-        with _on(x.device):
-            dx, dweight = ctx.backend.rms_norm_bwd(dy, x, weight, rstd)
-        return dx, dweight, None, None
-
-
 def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     """Same signature and semantics as :func:`torch.nn.functional.layer_norm`."""
-    backend, x, p, eps = _prepare(
+    _, x, p, eps = _prepare(
         "layer_norm", input, normalized_shape, eps, weight=weight, bias=bias
     )
-    y = _LayerNorm.apply(x, p["weight"], p["bias"], eps, backend)
+    y = ops.layer_norm_fwd(x, p["weight"], p["bias"], eps)[0]
     return y.view(input.shape)
 
 
@@ -174,26 +130,9 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):
     """
     if eps is None and isinstance(input, torch.Tensor) and input.dtype.is_floating_point:
         eps = torch.finfo(input.dtype).eps
-    backend, x, p, eps = _prepare("rms_norm", input, normalized_shape, eps, weight=weight)
-    y = _RMSNorm.apply(x, p["weight"], eps, backend)
+    _, x, p, eps = _prepare("rms_norm", input, normalized_shape, eps, weight=weight)
+    y = ops.rms_norm_fwd(x, p["weight"], eps)[0]
     return y.view(input.shape)
-
-
-class _Softmax(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, log, backend):
-        with _on(x.device):
-            y = backend.softmax_fwd(x, log)
-        ctx.save_for_backward(y)
-        ctx.backend, ctx.log = backend, log
-        return y
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dy):
-        (y,) = ctx.saved_tensors
-        with _on(y.device):
-            return ctx.backend.softmax_bwd(_unit_stride(dy), y, ctx.log), None, None
 
 
 def _softmax(op: str, input, dim, dtype, log: bool):
@@ -211,13 +150,11 @@ def _softmax(op: str, input, dim, dtype, log: bool):
             f"{op}: dim {dim} is out of range for input with {input.dim()} dims; "
             f"expected a value in [{-ndim}, {ndim - 1}]"
         )
-    backend = _backend(op, input)
+    _backend(op, input)  # a served device and a supported dtype, or an error
     # Rows along `dim`: moving it last costs a transposing copy when dim is not already last.
     moved = input.reshape(1) if input.dim() == 0 else input.movedim(dim, -1)
     rows = moved.reshape(-1, moved.shape[-1]) if moved.numel() else moved.reshape(0, moved.shape[-1])
-    if rows.numel() == 0:
-        backend = reference
-    y = _Softmax.apply(_unit_stride(rows), log, backend)
+    y = ops.softmax_fwd(_unit_stride(rows), log)
     y = y.view(moved.shape)
     return y.reshape(()) if input.dim() == 0 else y.movedim(-1, dim)
 
@@ -230,45 +167,6 @@ def softmax(input, dim=-1, dtype=None):
 def log_softmax(input, dim=-1, dtype=None):
     """Same semantics as :func:`torch.nn.functional.log_softmax` (``dim`` defaults to the last)."""
     return _softmax("log_softmax", input, dim, dtype, log=True)
-
-
-class _AddNorm(torch.autograd.Function):
-    """h = dropout(x) + residual; y = norm(h). Outputs (y, h); h is the residual stream."""
-
-    @staticmethod
-    def forward(ctx, x, residual, weight, bias, eps, dropout_p, seed, h_dtype, is_rms, backend):
-        ctx.set_materialize_grads(False)  # h's gradient stays None when h is not used
-        with _on(x.device):
-            if is_rms:
-                y, h, rstd = backend.add_rms_norm_fwd(x, residual, weight, eps, dropout_p, seed, h_dtype)
-                mean = rstd
-            else:
-                y, h, mean, rstd = backend.add_layer_norm_fwd(
-                    x, residual, weight, bias, eps, dropout_p, seed, h_dtype
-                )
-        ctx.save_for_backward(h, weight, mean, rstd)
-        ctx.backend, ctx.is_rms, ctx.dropout_p, ctx.seed = backend, is_rms, dropout_p, seed
-        ctx.dtypes = (x.dtype, None if residual is None else residual.dtype,
-                      None if bias is None else bias.dtype)  # fmt: skip
-        return y, h
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dy, dh):
-        h, weight, mean, rstd = ctx.saved_tensors
-        x_dtype, residual_dtype, bias_dtype = ctx.dtypes
-        dy = torch.zeros_like(h, dtype=x_dtype) if dy is None else _unit_stride(dy)
-        dh = None if dh is None else _unit_stride(dh)
-        drop = (ctx.dropout_p, ctx.seed, x_dtype, residual_dtype)
-        with _on(h.device):
-            if ctx.is_rms:
-                dx, dres, dweight = ctx.backend.add_rms_norm_bwd(dy, dh, h, weight, rstd, *drop)
-                dbias = None
-            else:
-                dx, dres, dweight, dbias = ctx.backend.add_layer_norm_bwd(
-                    dy, dh, h, weight, mean, rstd, bias_dtype, *drop
-                )
-        return dx, dres, dweight, dbias, None, None, None, None, None, None
 
 
 def _add_norm(op, x, residual, normalized_shape, weight, bias, eps, dropout_p, seed, residual_dtype,
@@ -291,15 +189,15 @@ def _add_norm(op, x, residual, normalized_shape, weight, bias, eps, dropout_p, s
                            f"None, got {residual_dtype!r}")  # fmt: skip
     params = dict(weight=weight) if is_rms else dict(weight=weight, bias=bias)
     backend, rows, p, eps = _prepare(op, x, normalized_shape, eps, input_name="x", **params)
-    dispatch.backend_for_tensors(x, residual=residual)  # same device, or an error naming residual
+    dispatch.check_devices(x, residual=residual)  # same device, or an error naming residual
     h_dtype = residual_dtype or (residual.dtype if residual is not None else x.dtype)
     for name, dtype in (("residual", None if residual is None else residual.dtype), ("h", h_dtype)):
-        if dtype is not None and dtype not in backend.SUPPORTED_DTYPES:
+        if backend is not None and dtype is not None and dtype not in backend.SUPPORTED_DTYPES:
             raise InvalidDtype(f"{op}: {name} dtype {dtype} is not supported by the {backend.NAME} "
                                f"backend; accepted: {_dtype_names(backend.SUPPORTED_DTYPES)}")  # fmt: skip
     r_rows = None if residual is None else _unit_stride(residual.reshape(rows.shape))
-    y, h = _AddNorm.apply(rows, r_rows, p["weight"], p.get("bias"), eps, float(dropout_p), int(seed),
-                          h_dtype, is_rms, backend)  # fmt: skip
+    y, h = ops.add_norm_fwd(rows, r_rows, p["weight"], p.get("bias"), eps, float(dropout_p), int(seed),
+                            h_dtype, is_rms)[:2]  # fmt: skip
     y, h = y.view(x.shape), h.view(x.shape)
     return (y, h) if prenorm else y
 
@@ -332,28 +230,6 @@ def add_rms_norm(x, residual, normalized_shape, weight=None, eps=None, dropout_p
                      seed, residual_dtype, prenorm, is_rms=True)  # fmt: skip
 
 
-class _GroupNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, num_groups, eps, backend):
-        with _on(x.device):
-            y, mean, rstd = backend.group_norm_fwd(x, weight, bias, num_groups, eps)
-        ctx.save_for_backward(x, weight, mean, rstd)
-        ctx.backend, ctx.num_groups = backend, num_groups
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        ctx.mark_non_differentiable(mean, rstd)
-        return y, mean, rstd
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dy, _dmean, _drstd):
-        x, weight, mean, rstd = ctx.saved_tensors
-        with _on(x.device):
-            dx, dweight, dbias = ctx.backend.group_norm_bwd(
-                dy.contiguous(), x, weight, mean, rstd, ctx.num_groups, ctx.bias_dtype
-            )
-        return dx, dweight, dbias, None, None, None
-
-
 def _group_norm(op, input, num_groups, weight, bias, eps):
     """-> (y, mean (N * G,), rstd (N * G,)) after validation; statistics are not differentiable."""
     _check_tensor(op, "input", input, required=True)
@@ -370,12 +246,9 @@ def _group_norm(op, input, num_groups, weight, bias, eps):
     for name, value in (("weight", weight), ("bias", bias)):
         _check_param(op, name, value, (C,))
     eps = _check_eps(op, eps)
-    backend = _backend(op, input, weight=weight, bias=bias)
+    _backend(op, input, weight=weight, bias=bias)  # a served device and a supported dtype, or an error
     x = input.reshape(input.shape[0], C, -1) if input.numel() else input.reshape(input.shape[0], C, 0)
-    x = x.contiguous()
-    if x.numel() == 0:
-        backend = reference
-    y, mean, rstd = _GroupNorm.apply(x, weight, bias, int(num_groups), eps, backend)
+    y, mean, rstd = ops.group_norm_fwd(x.contiguous(), weight, bias, int(num_groups), eps)
     return y.view(input.shape), mean, rstd
 
 
@@ -431,41 +304,6 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
     return y
 
 
-class _BatchNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, training, momentum, eps, backend):
-        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-        with _on(x.device):
-            if training:
-                mean, var = backend.batch_norm_stats(x)
-                rstd = torch.rsqrt(var + eps)
-                count = x.shape[0] * x.shape[2]
-                with torch.no_grad():  # as torch: the running variance is the unbiased one
-                    if running_mean is not None:
-                        running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
-                    if running_var is not None:
-                        unbiased = (var * (count / (count - 1))).to(running_var.dtype)
-                        running_var.mul_(1 - momentum).add_(unbiased, alpha=momentum)
-            else:
-                mean = running_mean.to(acc)
-                rstd = torch.rsqrt(running_var.to(acc) + eps)
-            y = backend.batch_norm_apply(x, weight, bias, mean, rstd)
-        ctx.save_for_backward(x, weight, mean, rstd)
-        ctx.backend, ctx.training = backend, training
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        return y
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dy):
-        x, weight, mean, rstd = ctx.saved_tensors
-        with _on(x.device):
-            dx, dweight, dbias = ctx.backend.batch_norm_bwd(
-                dy.contiguous(), x, weight, mean, rstd, ctx.training, ctx.bias_dtype
-            )
-        return dx, dweight, dbias, None, None, None, None, None, None
-
-
 def batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1,
                eps=1e-5):  # fmt: skip
     """Same signature and semantics as :func:`torch.nn.functional.batch_norm`.
@@ -491,11 +329,22 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
     if training and count == 1:
         raise InvalidArgument(f"{op}: expected more than 1 value per channel when training, got input "
                               f"shape {list(input.shape)}")  # fmt: skip
-    backend = _backend(op, input, weight=weight, bias=bias, running_mean=running_mean,
-                       running_var=running_var)  # fmt: skip
+    _backend(op, input, weight=weight, bias=bias, running_mean=running_mean,
+             running_var=running_var)  # fmt: skip
     x = input.reshape(input.shape[0], C, math.prod(input.shape[2:])).contiguous()
-    if x.numel() == 0:
-        backend = reference
-    y = _BatchNorm.apply(x, weight, bias, running_mean, running_var, bool(training), float(momentum), eps,
-                         backend)  # fmt: skip
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    if training:
+        with torch.no_grad():  # the statistics' own gradient is part of batch_norm_bwd(training=True)
+            mean, var = ops.batch_norm_stats(x.detach())
+            rstd = torch.rsqrt(var + eps)
+            count = x.shape[0] * x.shape[2]
+            if running_mean is not None:  # as torch: the running variance is the unbiased one
+                running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
+            if running_var is not None:
+                unbiased = (var * (count / (count - 1))).to(running_var.dtype)
+                running_var.mul_(1 - momentum).add_(unbiased, alpha=momentum)
+    else:
+        mean = running_mean.detach().to(acc)
+        rstd = torch.rsqrt(running_var.detach().to(acc) + eps)
+    y = ops.batch_norm_fwd(x, weight, bias, mean, rstd, bool(training))
     return y.view(input.shape)

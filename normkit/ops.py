@@ -1,0 +1,382 @@
+"""The row ops as PyTorch custom operators (``torch.ops.normkit.*``), with fake and autograd kernels.
+
+Registered with :func:`torch.library.custom_op`, so ``torch.compile(..., fullgraph=True)`` treats
+each one as a single opaque node (no graph break, no tracing into Triton launchers): the fake
+kernels give output shapes and dtypes, ``register_autograd`` wires each forward op to its backward
+op. The real kernels pick the backend at run time from the input's device (overrides from
+:func:`normkit.dispatch.use_backend` included; empty inputs go to the reference) and launch under
+that device's guard. ``normkit.functional`` validates arguments and calls these.
+
+Optional outputs (a weight gradient when there is no weight, ...) come back as empty tensors and
+are turned into None here: custom operators return tensors only. Outputs never alias inputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch.library import custom_op
+
+from normkit import dispatch, reference
+
+_NONE = (0,)  # shape of the empty tensor that stands for "no such output"
+
+
+def _backend(x: Tensor):
+    return reference if x.numel() == 0 else dispatch.backend_for(x.device)
+
+
+def _on(device: torch.device):
+    """Make ``device`` current for the launch (a tensor on cuda:1 launches on cuda:1)."""
+    if device.type == "cpu":
+        return contextlib.nullcontext()
+    return torch.get_device_module(device.type).device(device)
+
+
+def _stat_dtype(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _outs(outputs, like: Tensor, inputs) -> tuple[Tensor, ...]:
+    """Output tensors: empty for None, and a copy where a backend handed back (a view of) an input
+    or of another output — custom operators may not return aliases."""
+    seen = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, Tensor) and t.numel()}
+    result = []
+    for t in outputs:
+        if t is None:
+            t = like.new_empty(_NONE)
+        elif t.numel():
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in seen:
+                t = t.clone()
+                ptr = t.untyped_storage().data_ptr()
+            seen.add(ptr)
+        result.append(t)
+    return tuple(result)
+
+
+def _empty_grad(p: Optional[Tensor], like: Tensor) -> Tensor:
+    return like.new_empty(_NONE) if p is None else torch.empty_like(p)
+
+
+# --- LayerNorm / RMSNorm -------------------------------------------------------------------------
+
+
+@custom_op("normkit::layer_norm_fwd", mutates_args=())
+def layer_norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float
+                   ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """(M, N) rows -> (y, mean, rstd)."""
+    with _on(x.device):
+        out = _backend(x).layer_norm_fwd(x, weight, bias, eps)
+    return _outs(out, x, (x, weight, bias))
+
+
+@layer_norm_fwd.register_fake
+def _(x, weight, bias, eps):
+    stat = x.new_empty(x.shape[0], dtype=_stat_dtype(x))
+    return torch.empty_like(x), stat, torch.empty_like(stat)
+
+
+@custom_op("normkit::layer_norm_bwd", mutates_args=())
+def layer_norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor, rstd: Tensor,
+                   bias_dtype: Optional[torch.dtype]) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """-> (dx, dweight or empty, dbias or empty)."""
+    with _on(x.device):
+        dx, dw, db = _backend(x).layer_norm_bwd(dy, x, weight, mean, rstd, bias_dtype)
+    return _outs((dx, dw, db), x, (dy, x, weight, mean, rstd))
+
+
+@layer_norm_bwd.register_fake
+def _(dy, x, weight, mean, rstd, bias_dtype):
+    db = x.new_empty(_NONE) if bias_dtype is None else x.new_empty(x.shape[1], dtype=bias_dtype)
+    return torch.empty_like(x), _empty_grad(weight, x), db
+
+
+def _layer_norm_setup(ctx, inputs, output):
+    x, weight, bias, _ = inputs
+    _, mean, rstd = output
+    ctx.save_for_backward(x, weight, mean, rstd)
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _layer_norm_backward(ctx, dy, _dmean, _drstd):
+    x, weight, mean, rstd = ctx.saved_tensors
+    dx, dw, db = layer_norm_bwd(_unit_stride(dy), x, weight, mean, rstd, ctx.bias_dtype)
+    return dx, dw if weight is not None else None, db if ctx.bias_dtype is not None else None, None
+
+
+layer_norm_fwd.register_autograd(_layer_norm_backward, setup_context=_layer_norm_setup)
+
+
+@custom_op("normkit::rms_norm_fwd", mutates_args=())
+def rms_norm_fwd(x: Tensor, weight: Optional[Tensor], eps: float) -> tuple[Tensor, Tensor]:
+    """(M, N) rows -> (y, rstd)."""
+    with _on(x.device):
+        out = _backend(x).rms_norm_fwd(x, weight, eps)
+    return _outs(out, x, (x, weight))
+
+
+@rms_norm_fwd.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x), x.new_empty(x.shape[0], dtype=_stat_dtype(x))
+
+
+@custom_op("normkit::rms_norm_bwd", mutates_args=())
+def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Tensor) -> tuple[Tensor, Tensor]:
+    """-> (dx, dweight or empty)."""
+    with _on(x.device):
+        dx, dw = _backend(x).rms_norm_bwd(dy, x, weight, rstd)
+    return _outs((dx, dw), x, (dy, x, weight, rstd))
+
+
+@rms_norm_bwd.register_fake
+def _(dy, x, weight, rstd):
+    return torch.empty_like(x), _empty_grad(weight, x)
+
+
+def _rms_norm_setup(ctx, inputs, output):
+    x, weight, _ = inputs
+    ctx.save_for_backward(x, weight, output[1])
+
+
+def _rms_norm_backward(ctx, dy, _drstd):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dw = rms_norm_bwd(_unit_stride(dy), x, weight, rstd)
+    return dx, dw if weight is not None else None, None
+
+
+rms_norm_fwd.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
+
+
+# --- softmax / log_softmax -----------------------------------------------------------------------
+
+
+@custom_op("normkit::softmax_fwd", mutates_args=())
+def softmax_fwd(x: Tensor, log: bool) -> Tensor:
+    """(M, N) rows -> softmax (log_softmax when ``log``) of each row."""
+    with _on(x.device):
+        return _outs((_backend(x).softmax_fwd(x, log),), x, (x,))[0]
+
+
+@softmax_fwd.register_fake
+def _(x, log):
+    return torch.empty_like(x)
+
+
+@custom_op("normkit::softmax_bwd", mutates_args=())
+def softmax_bwd(dy: Tensor, y: Tensor, log: bool) -> Tensor:
+    with _on(y.device):
+        return _outs((_backend(y).softmax_bwd(dy, y, log),), y, (dy, y))[0]
+
+
+@softmax_bwd.register_fake
+def _(dy, y, log):
+    return torch.empty_like(y)
+
+
+def _softmax_setup(ctx, inputs, output):
+    ctx.save_for_backward(output)
+    ctx.log = inputs[1]
+
+
+def _softmax_backward(ctx, dy):
+    (y,) = ctx.saved_tensors
+    return softmax_bwd(_unit_stride(dy), y, ctx.log), None
+
+
+softmax_fwd.register_autograd(_softmax_backward, setup_context=_softmax_setup)
+
+
+# --- fused residual add + dropout + LayerNorm / RMSNorm ------------------------------------------
+
+
+@custom_op("normkit::add_norm_fwd", mutates_args=())
+def add_norm_fwd(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor],
+                 eps: float, dropout_p: float, seed: int, h_dtype: torch.dtype, is_rms: bool
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """h = dropout(x) + residual; y = norm(h) -> (y, h, mean, rstd); mean is empty for RMSNorm."""
+    ins = (x, residual, weight, bias)
+    with _on(x.device):
+        backend = _backend(x)
+        if is_rms:
+            y, h, rstd = backend.add_rms_norm_fwd(x, residual, weight, eps, dropout_p, seed, h_dtype)
+            mean = None
+        else:
+            y, h, mean, rstd = backend.add_layer_norm_fwd(x, residual, weight, bias, eps, dropout_p, seed,
+                                                          h_dtype)  # fmt: skip
+    # Statistics in x's math dtype on every backend (the reference would follow h's).
+    stat = _stat_dtype(x)
+    mean = None if mean is None else mean.to(stat)
+    return _outs((y, h, mean, rstd.to(stat)), x, ins)
+
+
+@add_norm_fwd.register_fake
+def _(x, residual, weight, bias, eps, dropout_p, seed, h_dtype, is_rms):
+    rstd = x.new_empty(x.shape[0], dtype=_stat_dtype(x))
+    mean = x.new_empty(_NONE) if is_rms else torch.empty_like(rstd)
+    return torch.empty_like(x), torch.empty_like(x, dtype=h_dtype), mean, rstd
+
+
+@custom_op("normkit::add_norm_bwd", mutates_args=())
+def add_norm_bwd(dy: Tensor, dh: Optional[Tensor], h: Tensor, weight: Optional[Tensor], mean: Tensor,
+                 rstd: Tensor, bias_dtype: Optional[torch.dtype], dropout_p: float, seed: int,
+                 x_dtype: torch.dtype, residual_dtype: Optional[torch.dtype], is_rms: bool
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """-> (dx, dresidual or empty, dweight or empty, dbias or empty)."""
+    drop = (dropout_p, seed, x_dtype, residual_dtype)
+    with _on(h.device):
+        backend = _backend(h)
+        if is_rms:
+            dx, dres, dw = backend.add_rms_norm_bwd(dy, dh, h, weight, rstd, *drop)
+            db = None
+        else:
+            dx, dres, dw, db = backend.add_layer_norm_bwd(dy, dh, h, weight, mean, rstd, bias_dtype, *drop)
+    return _outs((dx, dres, dw, db), h, (dy, dh, h, weight, mean, rstd))
+
+
+@add_norm_bwd.register_fake
+def _(dy, dh, h, weight, mean, rstd, bias_dtype, dropout_p, seed, x_dtype, residual_dtype, is_rms):
+    dres = h.new_empty(_NONE) if residual_dtype is None else torch.empty_like(h, dtype=residual_dtype)
+    db = h.new_empty(_NONE) if bias_dtype is None else h.new_empty(h.shape[1], dtype=bias_dtype)
+    return torch.empty_like(h, dtype=x_dtype), dres, _empty_grad(weight, h), db
+
+
+def _add_norm_setup(ctx, inputs, output):
+    x, residual, weight, bias, _, dropout_p, seed, _, is_rms = inputs
+    _, h, mean, rstd = output
+    ctx.save_for_backward(h, weight, mean, rstd)
+    ctx.args = (None if bias is None else bias.dtype, dropout_p, seed, x.dtype,
+                None if residual is None else residual.dtype, is_rms)  # fmt: skip
+
+
+def _add_norm_backward(ctx, dy, dh, _dmean, _drstd):
+    h, weight, mean, rstd = ctx.saved_tensors
+    bias_dtype, dropout_p, seed, x_dtype, residual_dtype, is_rms = ctx.args
+    dy = torch.zeros_like(h, dtype=x_dtype) if dy is None else _unit_stride(dy)
+    dh = None if dh is None else _unit_stride(dh)
+    dx, dres, dw, db = add_norm_bwd(dy, dh, h, weight, mean, rstd, bias_dtype, dropout_p, seed, x_dtype,
+                                    residual_dtype, is_rms)  # fmt: skip
+    return (dx, dres if residual_dtype is not None else None, dw if weight is not None else None,
+            db if bias_dtype is not None else None, None, None, None, None, None)
+
+
+add_norm_fwd.register_autograd(_add_norm_backward, setup_context=_add_norm_setup)
+
+
+# --- GroupNorm (InstanceNorm) --------------------------------------------------------------------
+
+
+@custom_op("normkit::group_norm_fwd", mutates_args=())
+def group_norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], num_groups: int, eps: float
+                   ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """x: (N, C, HW) contiguous -> (y, mean, rstd), statistics per (sample, group): (N * G,)."""
+    with _on(x.device):
+        out = _backend(x).group_norm_fwd(x, weight, bias, num_groups, eps)
+    return _outs(out, x, (x, weight, bias))
+
+
+@group_norm_fwd.register_fake
+def _(x, weight, bias, num_groups, eps):
+    stat = x.new_empty(x.shape[0] * num_groups, dtype=_stat_dtype(x))
+    return torch.empty_like(x), stat, torch.empty_like(stat)
+
+
+@custom_op("normkit::group_norm_bwd", mutates_args=())
+def group_norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor, rstd: Tensor,
+                   num_groups: int, bias_dtype: Optional[torch.dtype]
+                   ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """-> (dx, dweight or empty, dbias or empty)."""
+    with _on(x.device):
+        out = _backend(x).group_norm_bwd(dy, x, weight, mean, rstd, num_groups, bias_dtype)
+    return _outs(out, x, (dy, x, weight, mean, rstd))
+
+
+@group_norm_bwd.register_fake
+def _(dy, x, weight, mean, rstd, num_groups, bias_dtype):
+    db = x.new_empty(_NONE) if bias_dtype is None else x.new_empty(x.shape[1], dtype=bias_dtype)
+    return torch.empty_like(x), _empty_grad(weight, x), db
+
+
+def _group_norm_setup(ctx, inputs, output):
+    x, weight, bias, num_groups, _ = inputs
+    _, mean, rstd = output
+    ctx.save_for_backward(x, weight, mean, rstd)
+    ctx.num_groups, ctx.bias_dtype = num_groups, None if bias is None else bias.dtype
+
+
+def _group_norm_backward(ctx, dy, _dmean, _drstd):
+    x, weight, mean, rstd = ctx.saved_tensors
+    dx, dw, db = group_norm_bwd(dy.contiguous(), x, weight, mean, rstd, ctx.num_groups, ctx.bias_dtype)
+    return dx, dw if weight is not None else None, db if ctx.bias_dtype is not None else None, None, None
+
+
+group_norm_fwd.register_autograd(_group_norm_backward, setup_context=_group_norm_setup)
+
+
+# --- BatchNorm -----------------------------------------------------------------------------------
+
+
+@custom_op("normkit::batch_norm_stats", mutates_args=())
+def batch_norm_stats(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x: (N, C, HW) contiguous -> per-channel (mean, biased variance), (C,) each. Not
+    differentiable by itself: batch_norm_fwd's backward (training=True) accounts for them."""
+    with _on(x.device):
+        return _outs(_backend(x).batch_norm_stats(x), x, (x,))
+
+
+@batch_norm_stats.register_fake
+def _(x):
+    stat = x.new_empty(x.shape[1], dtype=_stat_dtype(x))
+    return stat, torch.empty_like(stat)
+
+
+@custom_op("normkit::batch_norm_fwd", mutates_args=())
+def batch_norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], mean: Tensor, rstd: Tensor,
+                   training: bool) -> Tensor:  # fmt: skip
+    """y = (x - mean_c) * rstd_c * weight_c + bias_c; ``training``: mean / rstd are this batch's."""
+    with _on(x.device):
+        return _outs((_backend(x).batch_norm_apply(x, weight, bias, mean, rstd),), x, (x, weight, bias))[0]
+
+
+@batch_norm_fwd.register_fake
+def _(x, weight, bias, mean, rstd, training):
+    return torch.empty_like(x)
+
+
+@custom_op("normkit::batch_norm_bwd", mutates_args=())
+def batch_norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor, rstd: Tensor,
+                   training: bool, bias_dtype: Optional[torch.dtype]
+                   ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """-> (dx, dweight or empty, dbias or empty)."""
+    with _on(x.device):
+        out = _backend(x).batch_norm_bwd(dy, x, weight, mean, rstd, training, bias_dtype)
+    return _outs(out, x, (dy, x, weight, mean, rstd))
+
+
+@batch_norm_bwd.register_fake
+def _(dy, x, weight, mean, rstd, training, bias_dtype):
+    db = x.new_empty(_NONE) if bias_dtype is None else x.new_empty(x.shape[1], dtype=bias_dtype)
+    return torch.empty_like(x), _empty_grad(weight, x), db
+
+
+def _batch_norm_setup(ctx, inputs, output):
+    x, weight, bias, mean, rstd, training = inputs
+    ctx.save_for_backward(x, weight, mean, rstd)
+    ctx.training, ctx.bias_dtype = training, None if bias is None else bias.dtype
+
+
+def _batch_norm_backward(ctx, dy):
+    x, weight, mean, rstd = ctx.saved_tensors
+    dx, dw, db = batch_norm_bwd(dy.contiguous(), x, weight, mean, rstd, ctx.training, ctx.bias_dtype)
+    return (dx, dw if weight is not None else None, db if ctx.bias_dtype is not None else None,
+            None, None, None)  # fmt: skip
+
+
+batch_norm_fwd.register_autograd(_batch_norm_backward, setup_context=_batch_norm_setup)
+
+def _unit_stride(rows: Tensor) -> Tensor:
+    """Kernels take any row stride but need unit-stride columns: copy only when they are not."""
+    return rows.contiguous() if rows.numel() and rows.stride(1) != 1 else rows

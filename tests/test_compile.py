@@ -66,9 +66,17 @@ def _image_cases():
 
 
 @pytest.mark.parametrize("name,op,args", _opcheck_cases(), ids=lambda v: v if isinstance(v, str) else "")
-def test_opcheck(name, op, args):
-    """Schema, fake kernel, autograd registration and AOT dispatch agree with the real kernel."""
-    torch.library.opcheck(op, args)
+@pytest.mark.parametrize("executor", [pytest.param(None, id="cpu")] + executor_params([()], [()]))
+def test_opcheck(run_on, executor, name, op, args):
+    """Schema, fake kernel, autograd registration and AOT dispatch agree with the real kernel of
+    each backend (the fake kernels must give every backend's output shapes and dtypes)."""
+    if executor is None:
+        torch.library.opcheck(op, args)
+        return
+    with run_on(executor, torch.float32):
+        move = lambda a: a.detach().to(executor.device).requires_grad_(a.requires_grad) \
+            if isinstance(a, torch.Tensor) else a  # noqa: E731
+        torch.library.opcheck(op, tuple(move(a) for a in args))
 
 
 def _block(x, residual, w, b):

@@ -18,7 +18,7 @@ from normkit.functional import (
     softmax,
 )
 from normkit import nn
-from normkit.patch import patch, unpatch
+from normkit.patching import patch, unpatch
 
 __version__ = "0.1.0"
 

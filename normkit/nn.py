@@ -4,7 +4,7 @@ Each module subclasses its ``torch.nn`` twin and overrides only the method that 
 or ``_apply_instance_norm`` for InstanceNorm, so torch's input checks and no-batch handling stay), so
 constructor arguments, parameters, buffers, ``state_dict`` keys and ``repr`` are torch's own:
 ``load_state_dict`` works both ways and ``isinstance(m, torch.nn.LayerNorm)`` holds. The forward
-passes are plain functions that :mod:`normkit.patch` reuses when it patches existing models, so they
+passes are plain functions that :mod:`normkit.patching` reuses when it patches existing models, so they
 never call ``super()``.
 
 :class:`AddLayerNorm` / :class:`AddRMSNorm` (no torch twin) fuse ``h = dropout(x) + residual`` with
@@ -42,7 +42,7 @@ __all__ = [
 ]
 
 
-# --- forward passes (module-level so that normkit.patch can put them on other classes) --------------
+# --- forward passes (module-level so that normkit.patching can put them on other classes) --------------
 
 
 def _layer_norm_forward(self, input):

@@ -15,7 +15,7 @@ from torch import nn
 import normkit
 import normkit.nn as nkn
 from normkit import functional
-from normkit.patch import PatchReport
+from normkit.patching import PatchReport
 from normkit.testing import assert_close
 
 EXECUTORS = [None] + INTERPRETER + [pytest.param(e, marks=m) for e, m in DEVICE]
@@ -130,7 +130,7 @@ def test_patch_small_model_trains_like_torch(calls):
         module = model.get_submodule(name)
         assert type(module) is new and issubclass(new, old) and old is type(ref.get_submodule(name))
         assert new is (NET_PATCHED[name] or new) and new.__name__ == old.__name__
-    assert type(model.head[1]).__module__ == "normkit.patch" and model.head[1].tag == "kept"
+    assert type(model.head[1]).__module__ == "normkit.patching" and model.head[1].tag == "kept"
     assert [(s.name, s.cls) for s in report.skipped] == [("head.5", DoubledLayerNorm)]
     assert "overrides forward" in report.skipped[0].reason
     assert all(a is b for a, b in zip(model.parameters(), params)) and list(model.state_dict()) == keys
@@ -413,3 +413,27 @@ def test_patch_tiny_llama(run_on, executor):
     assert [type(m) for m in model.modules()] == [type(m) for m in ref.modules()]
     with torch.no_grad():
         assert torch.equal(model(ids).logits, ref(ids).logits)
+
+
+@pytest.mark.parametrize("executor", [None] + [pytest.param(e, marks=m) for e, m in DEVICE], ids=_executor_id)
+def test_patched_tiny_llama_compiles_fullgraph(run_on, executor):
+    """The patched Llama traces with torch.compile(fullgraph=True) and no graph break (normkit's ops
+    are custom operators); the compiled logits and gradients match the unpatched eager model."""
+    backend = run_on(executor, torch.float32) if executor is not None else contextlib.nullcontext()
+    device = executor.device if executor is not None else "cpu"
+    model = _tiny_llama().to(device)
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1)).to(device)
+    normkit.patch(model)
+    torch._dynamo.reset()
+    with backend:
+        explained = torch._dynamo.explain(lambda t: model(t).logits)(ids)
+        assert explained.graph_break_count == 0, explained.break_reasons
+        compiled = torch.compile(lambda t: model(t, labels=t), fullgraph=True)
+        out = compiled(ids)
+        out.loss.backward()
+    expected = ref(ids, labels=ids)
+    expected.loss.backward()
+    assert_close(out.logits, expected.logits, torch.float32, "fwd", "logits")
+    for (name, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
+        assert_close(p.grad, rp.grad, torch.float32, "param", f"d{name}", rows=ids.numel())

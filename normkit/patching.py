@@ -34,8 +34,7 @@ Recognised (each family behind a flag of :func:`patch`):
 
 Modules of an enabled family that are not patched are listed in ``report.skipped`` with the reason
 (overridden forward, wrapped forward, unknown source, SyncBatchNorm, uninitialised lazy modules).
-Note: the module object ``normkit.patch`` is shadowed by the function of that name; import names
-from it with ``from normkit.patch import PatchReport``.
+The module is ``normkit.patching`` (``normkit.patch`` is the function).
 """
 
 from __future__ import annotations

@@ -61,31 +61,37 @@ def cmd_check(args) -> int:
     executors, shapes = _executors(args)
     if args.quick:
         shapes = shapes[:3]
-    rows, failures, start = [], 0, time.perf_counter()
     for ex in executors:
         ok, reason = ex.status()
         if not ok:
             print(f"normkit check: {ex.name} is unavailable: {reason}", file=sys.stderr)
             return 1
-        dtypes = [d for d in (torch.float16, torch.bfloat16, torch.float32) if d in ex.dtypes]
-        for op in OPS:
-            for dtype in dtypes:
-                worst, failed = 0.0, []  # worst: the largest fraction of tolerance used
-                for shape in shapes:
-                    try:
-                        with ex.activate():
-                            errors = check_case(op, shape, 1, dtype, ex.device)
-                        worst = max(worst, *errors.values())
-                    except AssertionError as exc:
-                        failed.append(f"{shape}: {str(exc).splitlines()[0]}")
-                failures += bool(failed)
-                status = "ok" if not failed else "FAIL"
-                passed = f"{len(shapes) - len(failed)}/{len(shapes)}"
-                dt = str(dtype).replace("torch.", "")
-                rows.append((ex.name, op, dt, passed, f"{worst:.2f}", status))
-                print(f"  {ex.name:28s} {op:11s} {dt:9s} {passed:>6s} {status}", file=sys.stderr, flush=True)
-                for line in failed:
-                    print(f"    {line}", file=sys.stderr)
+    groups = [(ex, op, dtype) for ex in executors for op in OPS
+              for dtype in (torch.float16, torch.bfloat16, torch.float32) if dtype in ex.dtypes]  # fmt: skip
+    from tqdm import tqdm
+
+    rows, failures, start = [], 0, time.perf_counter()
+    # A bar on a terminal (stderr); on a pipe or CI log, one line per group instead.
+    bar = tqdm(groups, desc="normkit check", unit="group", file=sys.stderr, disable=None)
+    for ex, op, dtype in bar:
+        bar.set_postfix_str(f"{ex.name} {op} {str(dtype).replace('torch.', '')}", refresh=False)
+        worst, failed = 0.0, []  # worst: the largest fraction of tolerance used
+        for shape in shapes:
+            try:
+                with ex.activate():
+                    errors = check_case(op, shape, 1, dtype, ex.device)
+                worst = max(worst, *errors.values())
+            except AssertionError as exc:
+                failed.append(f"{shape}: {str(exc).splitlines()[0]}")
+        failures += bool(failed)
+        status = "ok" if not failed else "FAIL"
+        passed = f"{len(shapes) - len(failed)}/{len(shapes)}"
+        dt = str(dtype).replace("torch.", "")
+        rows.append((ex.name, op, dt, passed, f"{worst:.2f}", status))
+        if bar.disable:
+            print(f"  {ex.name:28s} {op:11s} {dt:9s} {passed:>6s} {status}", file=sys.stderr, flush=True)
+        for line in failed:
+            bar.write(f"    {ex.name} {op} {dt} {line}", file=sys.stderr)
     print()
     header = ("executor", "op", "dtype", "shapes", "tolerance used", "status")
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]

@@ -7,6 +7,7 @@ import torch
 from conftest import DEVICE, INTERPRETER, executor_params
 
 import normkit
+from normkit import reference
 from normkit.testing import ADD_OPS, add_norm_public, check_add_norm_case, dropout_keep_mask
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -130,3 +131,18 @@ def test_errors_name_the_argument(op, kwargs, error, words):
         getattr(normkit, op)(x, r, 8, **args)
     for word in words:
         assert word in str(info.value), f"{word!r} not in {info.value}"
+
+
+@pytest.mark.parametrize("op", ["add_layer_norm", "add_rms_norm"])
+def test_unused_h_sends_no_gradient(monkeypatch, op):
+    """When h is not used (prenorm=False, or h unused), the backward passes dh=None to the backend,
+    so the kernels skip reading a tensor of zeros; with h used, its gradient arrives."""
+    seen = []
+    real = getattr(reference, f"{op}_bwd")
+    monkeypatch.setattr(reference, f"{op}_bwd", lambda dy, dh, *a: seen.append(dh) or real(dy, dh, *a))
+    x, r = torch.randn(3, 8, requires_grad=True), torch.randn(3, 8, requires_grad=True)
+    getattr(normkit, op)(x, r, (8,)).sum().backward()
+    y, h = getattr(normkit, op)(x, r, (8,), prenorm=True)
+    (y.sum() + 2 * h.sum()).backward()
+    assert seen[0] is None
+    assert seen[1] is not None and torch.equal(seen[1], torch.full_like(h, 2.0))

@@ -96,6 +96,7 @@ def _(dy, x, weight, mean, rstd, bias_dtype):
 
 
 def _layer_norm_setup(ctx, inputs, output):
+    ctx.set_materialize_grads(False)  # no zero-filled gradients for the statistics outputs
     x, weight, bias, _ = inputs
     _, mean, rstd = output
     ctx.save_for_backward(x, weight, mean, rstd)
@@ -103,6 +104,8 @@ def _layer_norm_setup(ctx, inputs, output):
 
 
 def _layer_norm_backward(ctx, dy, _dmean, _drstd):
+    if dy is None:  # only the statistics were used, and they carry no gradient
+        return None, None, None, None
     x, weight, mean, rstd = ctx.saved_tensors
     dx, dw, db = layer_norm_bwd(_unit_stride(dy), x, weight, mean, rstd, ctx.bias_dtype)
     return dx, dw if weight is not None else None, db if ctx.bias_dtype is not None else None, None
@@ -138,11 +141,14 @@ def _(dy, x, weight, rstd):
 
 
 def _rms_norm_setup(ctx, inputs, output):
+    ctx.set_materialize_grads(False)  # no zero-filled gradient for rstd
     x, weight, _ = inputs
     ctx.save_for_backward(x, weight, output[1])
 
 
 def _rms_norm_backward(ctx, dy, _drstd):
+    if dy is None:
+        return None, None, None
     x, weight, rstd = ctx.saved_tensors
     dx, dw = rms_norm_bwd(_unit_stride(dy), x, weight, rstd)
     return dx, dw if weight is not None else None, None
@@ -302,6 +308,7 @@ def _(dy, x, weight, mean, rstd, num_groups, bias_dtype):
 
 
 def _group_norm_setup(ctx, inputs, output):
+    ctx.set_materialize_grads(False)  # no zero-filled gradients for the statistics outputs
     x, weight, bias, num_groups, _ = inputs
     _, mean, rstd = output
     ctx.save_for_backward(x, weight, mean, rstd)
@@ -309,6 +316,8 @@ def _group_norm_setup(ctx, inputs, output):
 
 
 def _group_norm_backward(ctx, dy, _dmean, _drstd):
+    if dy is None:
+        return None, None, None, None, None
     x, weight, mean, rstd = ctx.saved_tensors
     dx, dw, db = group_norm_bwd(dy.contiguous(), x, weight, mean, rstd, ctx.num_groups, ctx.bias_dtype)
     return dx, dw if weight is not None else None, db if ctx.bias_dtype is not None else None, None, None

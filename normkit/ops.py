@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 from torch.library import custom_op
 
 from normkit import dispatch, reference
@@ -107,7 +108,7 @@ def _layer_norm_backward(ctx, dy, _dmean, _drstd):
     if dy is None:  # only the statistics were used, and they carry no gradient
         return None, None, None, None
     x, weight, mean, rstd = ctx.saved_tensors
-    dx, dw, db = layer_norm_bwd(_unit_stride(dy), x, weight, mean, rstd, ctx.bias_dtype)
+    dx, dw, db = _bwd(ctx, layer_norm_bwd)(_unit_stride(dy), x, weight, mean, rstd, ctx.bias_dtype)
     return dx, dw if weight is not None else None, db if ctx.bias_dtype is not None else None, None
 
 
@@ -150,7 +151,7 @@ def _rms_norm_backward(ctx, dy, _drstd):
     if dy is None:
         return None, None, None
     x, weight, rstd = ctx.saved_tensors
-    dx, dw = rms_norm_bwd(_unit_stride(dy), x, weight, rstd)
+    dx, dw = _bwd(ctx, rms_norm_bwd)(_unit_stride(dy), x, weight, rstd)
     return dx, dw if weight is not None else None, None
 
 
@@ -190,7 +191,7 @@ def _softmax_setup(ctx, inputs, output):
 
 def _softmax_backward(ctx, dy):
     (y,) = ctx.saved_tensors
-    return softmax_bwd(_unit_stride(dy), y, ctx.log), None
+    return _bwd(ctx, softmax_bwd)(_unit_stride(dy), y, ctx.log), None
 
 
 softmax_fwd.register_autograd(_softmax_backward, setup_context=_softmax_setup)
@@ -264,8 +265,8 @@ def _add_norm_backward(ctx, dy, dh, _dmean, _drstd):
     bias_dtype, dropout_p, seed, x_dtype, residual_dtype, is_rms = ctx.args
     dy = torch.zeros_like(h, dtype=x_dtype) if dy is None else _unit_stride(dy)
     dh = None if dh is None else _unit_stride(dh)
-    dx, dres, dw, db = add_norm_bwd(dy, dh, h, weight, mean, rstd, bias_dtype, dropout_p, seed, x_dtype,
-                                    residual_dtype, is_rms)  # fmt: skip
+    dx, dres, dw, db = _bwd(ctx, add_norm_bwd)(dy, dh, h, weight, mean, rstd, bias_dtype, dropout_p, seed,
+                                               x_dtype, residual_dtype, is_rms)  # fmt: skip
     return (dx, dres if residual_dtype is not None else None, dw if weight is not None else None,
             db if bias_dtype is not None else None, None, None, None, None, None)
 
@@ -319,7 +320,8 @@ def _group_norm_backward(ctx, dy, _dmean, _drstd):
     if dy is None:
         return None, None, None, None, None
     x, weight, mean, rstd = ctx.saved_tensors
-    dx, dw, db = group_norm_bwd(dy.contiguous(), x, weight, mean, rstd, ctx.num_groups, ctx.bias_dtype)
+    dx, dw, db = _bwd(ctx, group_norm_bwd)(dy.contiguous(), x, weight, mean, rstd, ctx.num_groups,
+                                            ctx.bias_dtype)  # fmt: skip
     return dx, dw if weight is not None else None, db if ctx.bias_dtype is not None else None, None, None
 
 
@@ -380,7 +382,8 @@ def _batch_norm_setup(ctx, inputs, output):
 
 def _batch_norm_backward(ctx, dy):
     x, weight, mean, rstd = ctx.saved_tensors
-    dx, dw, db = batch_norm_bwd(dy.contiguous(), x, weight, mean, rstd, ctx.training, ctx.bias_dtype)
+    dx, dw, db = _bwd(ctx, batch_norm_bwd)(dy.contiguous(), x, weight, mean, rstd, ctx.training,
+                                            ctx.bias_dtype)  # fmt: skip
     return (dx, dw if weight is not None else None, db if ctx.bias_dtype is not None else None,
             None, None, None)  # fmt: skip
 
@@ -390,3 +393,65 @@ batch_norm_fwd.register_autograd(_batch_norm_backward, setup_context=_batch_norm
 def _unit_stride(rows: Tensor) -> Tensor:
     """Kernels take any row stride but need unit-stride columns: copy only when they are not."""
     return rows.contiguous() if rows.numel() and rows.stride(1) != 1 else rows
+
+
+# --- eager calls: the same kernels without the dispatcher -----------------------------------------
+
+
+class _Entry:
+    """What ``normkit.functional`` calls: the custom operator while torch.compile traces; in eager
+    mode the operator's own Python kernel, through a plain autograd.Function when gradients are
+    needed (same setup and backward functions), or directly when not. The operator path costs
+    about 2x the host time of a small call on CPU (dispatcher boxing and alias checks: 94 vs 53 us
+    for a 16 x 64 LayerNorm forward), which is what few-row inference calls are made of."""
+
+    def __init__(self, op, setup=None, backward=None):
+        self.op = op
+        self.raw = getattr(op, "_init_fn", op)  # the undecorated kernel (falls back to the op)
+        self.function = None if backward is None else _eager_function(self.raw, setup, backward)
+
+    def __call__(self, *args):
+        if torch.compiler.is_compiling():
+            return self.op(*args)
+        if self.function is not None and torch.is_grad_enabled() and any(
+            isinstance(a, Tensor) and a.requires_grad for a in args
+        ):
+            return self.function.apply(*args)
+        return self.raw(*args)
+
+
+def _eager_function(raw, setup, backward):
+    class _Function(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *args):
+            out = raw(*args)
+            setup(ctx, args, out)
+            ctx.eager = True  # the backward calls the raw backward kernels too
+            return out
+
+        @staticmethod
+        @once_differentiable
+        def backward(ctx, *grads):
+            return backward(ctx, *grads)
+
+    return _Function
+
+
+def _bwd(ctx, entry: _Entry):
+    """The backward kernel for this context: raw in eager mode, the operator when traced."""
+    return entry.raw if getattr(ctx, "eager", False) else entry.op
+
+
+layer_norm_fwd = _Entry(layer_norm_fwd, _layer_norm_setup, _layer_norm_backward)
+layer_norm_bwd = _Entry(layer_norm_bwd)
+rms_norm_fwd = _Entry(rms_norm_fwd, _rms_norm_setup, _rms_norm_backward)
+rms_norm_bwd = _Entry(rms_norm_bwd)
+softmax_fwd = _Entry(softmax_fwd, _softmax_setup, _softmax_backward)
+softmax_bwd = _Entry(softmax_bwd)
+add_norm_fwd = _Entry(add_norm_fwd, _add_norm_setup, _add_norm_backward)
+add_norm_bwd = _Entry(add_norm_bwd)
+group_norm_fwd = _Entry(group_norm_fwd, _group_norm_setup, _group_norm_backward)
+group_norm_bwd = _Entry(group_norm_bwd)
+batch_norm_stats = _Entry(batch_norm_stats)
+batch_norm_fwd = _Entry(batch_norm_fwd, _batch_norm_setup, _batch_norm_backward)
+batch_norm_bwd = _Entry(batch_norm_bwd)

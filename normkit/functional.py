@@ -89,11 +89,6 @@ def _backend(op: str, input: torch.Tensor, name="input", **params) -> ModuleType
     return backend
 
 
-def _unit_stride(rows: torch.Tensor) -> torch.Tensor:
-    """Kernels take any row stride but need unit-stride columns: copy only when they are not."""
-    return rows.contiguous() if rows.numel() and rows.stride(1) != 1 else rows
-
-
 def _flat_param(p: torch.Tensor | None) -> torch.Tensor | None:
     return None if p is None else p.reshape(-1).contiguous()
 
@@ -107,7 +102,7 @@ def _prepare(op, input, normalized_shape, eps, input_name="input", **params):
     eps = _check_eps(op, eps)
     backend = _backend(op, input, input_name, **params)
     m = math.prod(input.shape[: input.dim() - len(shape)])
-    x = _unit_stride(input.reshape(m, math.prod(shape)))
+    x = ops.unit_stride(input.reshape(m, math.prod(shape)))
     if x.numel() == 0:
         backend = reference  # nothing to launch: plain torch gives the empty results (and zero grads)
     flat = {name: _flat_param(value) for name, value in params.items()}
@@ -154,7 +149,7 @@ def _softmax(op: str, input, dim, dtype, log: bool):
     # Rows along `dim`: moving it last costs a transposing copy when dim is not already last.
     moved = input.reshape(1) if input.dim() == 0 else input.movedim(dim, -1)
     rows = moved.reshape(-1, moved.shape[-1]) if moved.numel() else moved.reshape(0, moved.shape[-1])
-    y = ops.softmax_fwd(_unit_stride(rows), log)
+    y = ops.softmax_fwd(ops.unit_stride(rows), log)
     y = y.view(moved.shape)
     return y.reshape(()) if input.dim() == 0 else y.movedim(-1, dim)
 
@@ -195,7 +190,7 @@ def _add_norm(op, x, residual, normalized_shape, weight, bias, eps, dropout_p, s
         if backend is not None and dtype is not None and dtype not in backend.SUPPORTED_DTYPES:
             raise InvalidDtype(f"{op}: {name} dtype {dtype} is not supported by the {backend.NAME} "
                                f"backend; accepted: {_dtype_names(backend.SUPPORTED_DTYPES)}")  # fmt: skip
-    r_rows = None if residual is None else _unit_stride(residual.reshape(rows.shape))
+    r_rows = None if residual is None else ops.unit_stride(residual.reshape(rows.shape))
     y, h = ops.add_norm_fwd(rows, r_rows, p["weight"], p.get("bias"), eps, float(dropout_p), int(seed),
                             h_dtype, is_rms)[:2]  # fmt: skip
     y, h = y.view(x.shape), h.view(x.shape)

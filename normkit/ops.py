@@ -63,6 +63,13 @@ def _empty_grad(p: Optional[Tensor], like: Tensor) -> Tensor:
     return like.new_empty(_NONE) if p is None else torch.empty_like(p)
 
 
+def _fake_param_grads(like: Tensor, weight: Optional[Tensor], bias_dtype: Optional[torch.dtype]):
+    """Fake (dweight, dbias) of a backward operator: per-column (rows) or per-channel (images),
+    i.e. ``like.shape[1]`` entries; empty where the forward had no weight / bias."""
+    db = like.new_empty(_NONE) if bias_dtype is None else like.new_empty(like.shape[1], dtype=bias_dtype)
+    return _empty_grad(weight, like), db
+
+
 # --- LayerNorm / RMSNorm -------------------------------------------------------------------------
 
 
@@ -92,8 +99,7 @@ def layer_norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor
 
 @layer_norm_bwd.register_fake
 def _(dy, x, weight, mean, rstd, bias_dtype):
-    db = x.new_empty(_NONE) if bias_dtype is None else x.new_empty(x.shape[1], dtype=bias_dtype)
-    return torch.empty_like(x), _empty_grad(weight, x), db
+    return torch.empty_like(x), *_fake_param_grads(x, weight, bias_dtype)
 
 
 def _layer_norm_setup(ctx, inputs, output):
@@ -108,7 +114,7 @@ def _layer_norm_backward(ctx, dy, _dmean, _drstd):
     if dy is None:  # only the statistics were used, and they carry no gradient
         return None, None, None, None
     x, weight, mean, rstd = ctx.saved_tensors
-    dx, dw, db = _bwd(ctx, layer_norm_bwd)(_unit_stride(dy), x, weight, mean, rstd, ctx.bias_dtype)
+    dx, dw, db = _bwd(ctx, layer_norm_bwd)(unit_stride(dy), x, weight, mean, rstd, ctx.bias_dtype)
     return dx, dw if weight is not None else None, db if ctx.bias_dtype is not None else None, None
 
 
@@ -151,7 +157,7 @@ def _rms_norm_backward(ctx, dy, _drstd):
     if dy is None:
         return None, None, None
     x, weight, rstd = ctx.saved_tensors
-    dx, dw = _bwd(ctx, rms_norm_bwd)(_unit_stride(dy), x, weight, rstd)
+    dx, dw = _bwd(ctx, rms_norm_bwd)(unit_stride(dy), x, weight, rstd)
     return dx, dw if weight is not None else None, None
 
 
@@ -191,7 +197,7 @@ def _softmax_setup(ctx, inputs, output):
 
 def _softmax_backward(ctx, dy):
     (y,) = ctx.saved_tensors
-    return _bwd(ctx, softmax_bwd)(_unit_stride(dy), y, ctx.log), None
+    return _bwd(ctx, softmax_bwd)(unit_stride(dy), y, ctx.log), None
 
 
 softmax_fwd.register_autograd(_softmax_backward, setup_context=_softmax_setup)
@@ -247,8 +253,7 @@ def add_norm_bwd(dy: Tensor, dh: Optional[Tensor], h: Tensor, weight: Optional[T
 @add_norm_bwd.register_fake
 def _(dy, dh, h, weight, mean, rstd, bias_dtype, dropout_p, seed, x_dtype, residual_dtype, is_rms):
     dres = h.new_empty(_NONE) if residual_dtype is None else torch.empty_like(h, dtype=residual_dtype)
-    db = h.new_empty(_NONE) if bias_dtype is None else h.new_empty(h.shape[1], dtype=bias_dtype)
-    return torch.empty_like(h, dtype=x_dtype), dres, _empty_grad(weight, h), db
+    return torch.empty_like(h, dtype=x_dtype), dres, *_fake_param_grads(h, weight, bias_dtype)
 
 
 def _add_norm_setup(ctx, inputs, output):
@@ -263,8 +268,8 @@ def _add_norm_setup(ctx, inputs, output):
 def _add_norm_backward(ctx, dy, dh, _dmean, _drstd):
     h, weight, mean, rstd = ctx.saved_tensors
     bias_dtype, dropout_p, seed, x_dtype, residual_dtype, is_rms = ctx.args
-    dy = torch.zeros_like(h, dtype=x_dtype) if dy is None else _unit_stride(dy)
-    dh = None if dh is None else _unit_stride(dh)
+    dy = torch.zeros_like(h, dtype=x_dtype) if dy is None else unit_stride(dy)
+    dh = None if dh is None else unit_stride(dh)
     dx, dres, dw, db = _bwd(ctx, add_norm_bwd)(dy, dh, h, weight, mean, rstd, bias_dtype, dropout_p, seed,
                                                x_dtype, residual_dtype, is_rms)  # fmt: skip
     return (dx, dres if residual_dtype is not None else None, dw if weight is not None else None,
@@ -304,8 +309,7 @@ def group_norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor
 
 @group_norm_bwd.register_fake
 def _(dy, x, weight, mean, rstd, num_groups, bias_dtype):
-    db = x.new_empty(_NONE) if bias_dtype is None else x.new_empty(x.shape[1], dtype=bias_dtype)
-    return torch.empty_like(x), _empty_grad(weight, x), db
+    return torch.empty_like(x), *_fake_param_grads(x, weight, bias_dtype)
 
 
 def _group_norm_setup(ctx, inputs, output):
@@ -370,8 +374,7 @@ def batch_norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor
 
 @batch_norm_bwd.register_fake
 def _(dy, x, weight, mean, rstd, training, bias_dtype):
-    db = x.new_empty(_NONE) if bias_dtype is None else x.new_empty(x.shape[1], dtype=bias_dtype)
-    return torch.empty_like(x), _empty_grad(weight, x), db
+    return torch.empty_like(x), *_fake_param_grads(x, weight, bias_dtype)
 
 
 def _batch_norm_setup(ctx, inputs, output):
@@ -390,7 +393,7 @@ def _batch_norm_backward(ctx, dy):
 
 batch_norm_fwd.register_autograd(_batch_norm_backward, setup_context=_batch_norm_setup)
 
-def _unit_stride(rows: Tensor) -> Tensor:
+def unit_stride(rows: Tensor) -> Tensor:
     """Kernels take any row stride but need unit-stride columns: copy only when they are not."""
     return rows.contiguous() if rows.numel() and rows.stride(1) != 1 else rows
 

@@ -69,6 +69,22 @@ def backend_for(device: torch.device | str) -> ModuleType:
         ) from e
 
 
+def overrides() -> Mapping[str, str]:
+    """The overrides in effect in this context (for :func:`restore`)."""
+    return _OVERRIDES.get()
+
+
+@contextlib.contextmanager
+def restore(saved: Mapping[str, str]) -> Iterator[None]:
+    """Run the block under overrides saved by :func:`overrides` in another context. The autograd
+    engine runs a CUDA backward on its own thread, where the forward's context is not set."""
+    token = _OVERRIDES.set(saved)
+    try:
+        yield
+    finally:
+        _OVERRIDES.reset(token)
+
+
 @contextlib.contextmanager
 def use_backend(device_type: str, module_name: str) -> Iterator[None]:
     """Serve ``device_type`` with ``module_name`` inside the block (this context only)."""

@@ -430,6 +430,7 @@ def _eager_function(raw, setup, backward):
             out = raw(*args)
             setup(ctx, args, out)
             ctx.eager = True  # the backward calls the raw backward kernels too
+            ctx.overrides = dispatch.overrides()  # ... on the backend that served the forward
             return out
 
         @staticmethod
@@ -441,8 +442,16 @@ def _eager_function(raw, setup, backward):
 
 
 def _bwd(ctx, entry: _Entry):
-    """The backward kernel for this context: raw in eager mode, the operator when traced."""
-    return entry.raw if getattr(ctx, "eager", False) else entry.op
+    """The backward kernel for this context: raw in eager mode, run under the backend overrides
+    of the forward's context (see dispatch.restore); the operator when traced."""
+    if not getattr(ctx, "eager", False):
+        return entry.op
+
+    def run(*args):
+        with dispatch.restore(ctx.overrides):
+            return entry.raw(*args)
+
+    return run
 
 
 layer_norm_fwd = _Entry(layer_norm_fwd, _layer_norm_setup, _layer_norm_backward)

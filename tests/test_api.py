@@ -136,3 +136,34 @@ def test_missing_triton_names_the_install(monkeypatch):
         dispatch.backend_for("cuda")
     with pytest.raises(ModuleNotFoundError, match=r'normkit\[npu\]'):
         dispatch.backend_for("npu:0")
+
+
+def test_backward_runs_on_the_forward_backend_from_another_thread(monkeypatch):
+    """A backend override holds for the backward too, though autograd runs a CUDA backward on its
+    own thread, where the forward's context is not set: here the backward runs on a fresh thread."""
+    import sys
+    import threading
+    import types
+
+    from normkit import reference
+
+    calls = []
+    spy = types.ModuleType("normkit_test_spy_backend")
+    spy.__dict__.update({k: v for k, v in vars(reference).items() if not k.startswith("__")})
+    for name in ("rms_norm_fwd", "rms_norm_bwd"):
+        def record(*args, _name=name):
+            calls.append((_name, threading.current_thread().name))
+            return getattr(reference, _name)(*args)
+        setattr(spy, name, record)
+    monkeypatch.setitem(sys.modules, spy.__name__, spy)
+    x = torch.randn(4, 8, requires_grad=True)
+    with dispatch.use_backend("cpu", spy.__name__):
+        y = normkit.rms_norm(x, (8,))
+    dy = torch.randn_like(y)
+    worker = threading.Thread(target=lambda: y.backward(dy), name="backward-thread")
+    worker.start()
+    worker.join()
+    assert calls == [("rms_norm_fwd", threading.current_thread().name), ("rms_norm_bwd", "backward-thread")]
+    x64 = x.detach().double().requires_grad_()
+    (expected,) = torch.autograd.grad(F.rms_norm(x64, (8,), eps=torch.finfo(torch.float32).eps), x64, dy.double())
+    torch.testing.assert_close(x.grad.double(), expected, atol=1e-5, rtol=1e-5)

@@ -58,7 +58,10 @@ from normkit.testing import (
     softmax_reference,
 )
 
-IMPLS = ("normkit", "torch", "torch.compile", "liger", "quack", "torch_npu")
+IMPLS = ("normkit", "torch", "torch.compile", "liger", "quack", "torch_npu", "npu-kernels-on-cuda")
+# Measured only when named in --impls: normkit's NPU backend launched on CUDA tensors, to show what
+# the Ascend launch rules (1024-column tile, persistent grid) cost on a GPU. Not an NPU measurement.
+OPT_IN = ("npu-kernels-on-cuda",)
 DEVICES = ("auto", "cuda", "npu")  # --device; auto: cuda if available, else npu
 ROW_OPS = ("layer_norm", "rms_norm", "softmax", "log_softmax", "add_layer_norm", "add_rms_norm")
 IMAGE_OPS = ("group_norm", "batch_norm")
@@ -93,7 +96,8 @@ SERVES = {
 }
 IMPORTS = {"liger": "liger_kernel", "quack": "quack", "torch_npu": "torch_npu"}
 # Implementations measured on one device type only (normkit and torch: on every device).
-ONLY_ON = {"torch.compile": "cuda", "liger": "cuda", "quack": "cuda", "torch_npu": "npu"}
+ONLY_ON = {"torch.compile": "cuda", "liger": "cuda", "quack": "cuda", "torch_npu": "npu",
+           "npu-kernels-on-cuda": "cuda"}
 NOT_ON = {  # why an implementation is not measured on a device type, where "<type> only" says too little
     ("torch.compile", "npu"): "not measured on npu: torch.compile there needs one of torch_npu's Inductor "
                               "backends (TORCHINDUCTOR_NPU_BACKEND, set before `import torch`) or torchair's "
@@ -337,6 +341,18 @@ def _torch_npu_forward(op):
     return add_layer_norm
 
 
+def _npu_kernels_forward(op):
+    """normkit's public API with the NPU backend serving cuda tensors; the backward (autograd.grad)
+    runs on the backend of the forward's context (normkit.dispatch.restore)."""
+    fn = _api_forward(normkit, op)
+
+    def on_npu_kernels(i):
+        with normkit.dispatch.use_backend("cuda", "normkit.backends.npu"):
+            return fn(i)
+
+    return on_npu_kernels
+
+
 def forward_fn(impl, op):
     """fn(inputs dict) -> tuple of outputs (y, or y and h for the add-norms)."""
     if impl == "liger":
@@ -345,6 +361,8 @@ def forward_fn(impl, op):
         return _quack_forward(op)
     if impl == "torch_npu":
         return _torch_npu_forward(op)
+    if impl == "npu-kernels-on-cuda":
+        return _npu_kernels_forward(op)
     fn = _api_forward(normkit if impl == "normkit" else F, op)
     return torch.compile(fn, dynamic=False) if impl == "torch.compile" else fn
 
@@ -914,7 +932,7 @@ def _impls(requested, device_type="cuda") -> tuple[list[str], dict[str, str]]:
     skipped = {i: r for i, r in status.items() if r and meant_here(i)}
     for impl, reason in skipped.items():
         print(f"normkit bench: skipping {impl}: {reason}", file=sys.stderr)
-    return [i for i in IMPLS if not status[i]], skipped
+    return [i for i in IMPLS if not status[i] and i not in OPT_IN], skipped
 
 
 def _npu_status() -> tuple[bool, str]:

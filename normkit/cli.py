@@ -212,7 +212,8 @@ def add_bench_parser(sub):
                    help="device to measure on (auto: cuda if available, else npu; exit 2 when neither is)")
     p.add_argument("--impls", type=bench.comma_list(bench.IMPLS, "implementation"), metavar="LIST",
                    help=f"implementations (default: those of {','.join(bench.IMPLS)} importable and measured "
-                        "on the device)")
+                        "on the device, except npu-kernels-on-cuda: normkit's NPU kernels launched on a CUDA "
+                        "GPU, measured only when named)")
     p.add_argument("--quick", action="store_true", help="one small subset of each suite, bfloat16")
     p.add_argument("--out", metavar="DIR",
                    help="write results.json, results.csv, table.txt and plots/*.png here (default: none)")

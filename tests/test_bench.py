@@ -682,3 +682,31 @@ def test_quick_bench_on_gpu(tmp_path):
     assert parts[0]["copy_gbps"] > 0 and parts[0]["sm_count"] > 0
     assert {r["impl"] for r in rows} >= {"normkit", "torch", "torch.compile"}
     assert all(r["fwd_status"] == r["bwd_status"] == "ok" for r in rows if r["impl"] in bench.IMPLS[:3])
+
+
+def test_npu_kernels_on_cuda_only_when_named(monkeypatch):
+    for module in ("liger_kernel", "quack", "torch_npu"):
+        monkeypatch.setitem(sys.modules, module, None)
+    assert "npu-kernels-on-cuda" not in bench._impls(None, "cuda")[0]
+    assert bench._impls(["normkit", "npu-kernels-on-cuda"], "cuda") == (["normkit", "npu-kernels-on-cuda"], {})
+    with pytest.raises(bench.UsageError, match="npu-kernels-on-cuda: cuda only"):
+        bench._impls(["npu-kernels-on-cuda"], "npu")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("op", ["rms_norm", "add_layer_norm", "softmax"])
+def test_npu_kernels_on_cuda_run_the_npu_backend_fwd_and_bwd(op, monkeypatch):
+    """The npu-kernels-on-cuda column: checked against fp64, and both directions on NPU kernels."""
+    import normkit.backends.npu as npu_backend
+
+    calls = []
+    names = {"rms_norm": ("rms_norm_fwd", "rms_norm_bwd"), "softmax": ("softmax_fwd", "softmax_bwd"),
+             "add_layer_norm": ("add_layer_norm_fwd", "add_layer_norm_bwd")}[op]  # fmt: skip
+    for name in names:
+        real = getattr(npu_backend, name)
+        monkeypatch.setattr(npu_backend, name, lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
+    case = bench.Case("sweep", op, "bfloat16", (256, 4096))
+    rows, _ = bench.run([case], ["npu-kernels-on-cuda"], "cuda", fake_timer, copy=100.0)
+    assert [(r["fwd_status"], r["bwd_status"]) for r in rows] == [("ok", "ok")], rows[0]["error"]
+    assert set(calls) == set(names)

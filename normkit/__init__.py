@@ -1,12 +1,13 @@
 """normkit: normalization kernels in Triton for NVIDIA GPUs and Ascend NPUs.
 
 ``normkit.layer_norm(x, ...)`` works like ``torch.nn.functional.layer_norm(x, ...)`` on ``cuda``,
-``npu`` and ``cpu`` tensors; the backend is chosen per call from ``x.device``.
+``npu`` and ``cpu`` tensors; the backend is chosen per call from ``x.device``. The same functions
+take DTensors (tensor / sequence parallelism; :mod:`normkit.distributed`).
 """
 
 from normkit.dispatch import backend_for, backend_name_for
 from normkit.errors import InvalidArgument, InvalidDtype
-from normkit.functional import (
+from normkit.distributed import (  # normkit.functional's ops, also on DTensors
     add_layer_norm,
     add_rms_norm,
     batch_norm,

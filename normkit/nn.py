@@ -10,6 +10,8 @@ never call ``super()``.
 :class:`AddLayerNorm` / :class:`AddRMSNorm` (no torch twin) fuse ``h = dropout(x) + residual`` with
 the norm; their parameters and ``state_dict`` are those of ``torch.nn.LayerNorm`` / ``RMSNorm``.
 
+DTensor inputs (tensor / sequence parallelism) run on each rank's shard: :mod:`normkit.distributed`.
+
 Differences from torch: under autocast these modules keep the input dtype (torch runs its norms in
 fp32 and returns fp32); tensors on devices normkit does not serve raise ``normkit.InvalidArgument``.
 """
@@ -22,7 +24,7 @@ import warnings
 import torch
 from torch import nn
 
-from normkit import functional as F
+from normkit import distributed as F  # normkit.functional's ops, also on DTensors
 from normkit.errors import InvalidArgument
 
 __all__ = [

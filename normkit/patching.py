@@ -51,7 +51,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 from torch.nn.modules.lazy import LazyModuleMixin
 
-from normkit import functional as F
+from normkit import distributed as F  # normkit.functional's ops, also on DTensors
 from normkit import nn as nkn
 
 __all__ = ["patch", "unpatch", "PatchReport", "Patched", "Skipped"]

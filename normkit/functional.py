@@ -65,6 +65,30 @@ def _check_param(op: str, name: str, value, shape: tuple[int, ...]) -> None:
         )
 
 
+def _check_param_dtypes(op: str, input: torch.Tensor, **params: torch.Tensor | None) -> None:
+    """torch's rule for the parameters of its native norms (layer_norm, group_norm, batch_norm):
+    the given ones share one dtype, which is the input's, or float32 for a float16 / bfloat16
+    input (fp32 weights with half activations). Other mixes are what torch rejects."""
+    given = {name: p for name, p in params.items() if p is not None}
+    if not given:
+        return
+    accepted = [input.dtype]
+    if input.dtype in (torch.float16, torch.bfloat16):
+        accepted.append(torch.float32)
+    first_name, first = next(iter(given.items()))
+    for name, p in given.items():
+        if p.dtype not in accepted:
+            raise InvalidDtype(
+                f"{op}: {name} has dtype {p.dtype} but input has dtype {input.dtype}; accepted "
+                f"for {name}: {_dtype_names(accepted)} (as torch.nn.functional.{op})"
+            )
+        if p.dtype != first.dtype:
+            raise InvalidDtype(
+                f"{op}: {name} has dtype {p.dtype} but {first_name} has dtype {first.dtype}; "
+                f"accepted: {', '.join(given)} all of one dtype (as torch.nn.functional.{op})"
+            )
+
+
 def _check_eps(op: str, eps) -> float:
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
         raise TypeError(f"{op}: eps must be a real number >= 0, got {eps!r}")
@@ -80,6 +104,12 @@ def _backend(op: str, input: torch.Tensor, name="input", **params) -> ModuleType
     if torch.compiler.is_compiling():
         dispatch.check_devices(input, **params)
         return None
+    table = dispatch.registered()
+    if input.device.type not in table:
+        raise InvalidArgument(
+            f"{op}: {name} is on device type '{input.device.type}', which no normkit backend "
+            f"serves; supported device types: {', '.join(sorted(table))}"
+        )
     backend = dispatch.backend_for_tensors(input, **params)
     if input.dtype not in backend.SUPPORTED_DTYPES:
         raise InvalidDtype(
@@ -114,6 +144,7 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     _, x, p, eps = _prepare(
         "layer_norm", input, normalized_shape, eps, weight=weight, bias=bias
     )
+    _check_param_dtypes("layer_norm", input, weight=weight, bias=bias)
     y = ops.layer_norm_fwd(x, p["weight"], p["bias"], eps)[0]
     return y.view(input.shape)
 
@@ -184,6 +215,8 @@ def _add_norm(op, x, residual, normalized_shape, weight, bias, eps, dropout_p, s
                            f"None, got {residual_dtype!r}")  # fmt: skip
     params = dict(weight=weight) if is_rms else dict(weight=weight, bias=bias)
     backend, rows, p, eps = _prepare(op, x, normalized_shape, eps, input_name="x", **params)
+    if not is_rms:  # LayerNorm's parameters follow torch.nn.functional.layer_norm's dtype rule
+        _check_param_dtypes(op, x, **params)
     dispatch.check_devices(x, residual=residual)  # same device, or an error naming residual
     h_dtype = residual_dtype or (residual.dtype if residual is not None else x.dtype)
     for name, dtype in (("residual", None if residual is None else residual.dtype), ("h", h_dtype)):
@@ -242,6 +275,7 @@ def _group_norm(op, input, num_groups, weight, bias, eps):
         _check_param(op, name, value, (C,))
     eps = _check_eps(op, eps)
     _backend(op, input, weight=weight, bias=bias)  # a served device and a supported dtype, or an error
+    _check_param_dtypes("group_norm", input, weight=weight, bias=bias)
     x = input.reshape(input.shape[0], C, -1) if input.numel() else input.reshape(input.shape[0], C, 0)
     y, mean, rstd = ops.group_norm_fwd(x.contiguous(), weight, bias, int(num_groups), eps)
     return y.view(input.shape), mean, rstd
@@ -273,19 +307,27 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
                                       f"[{input.shape[1]}] (one entry per channel)")  # fmt: skip
     if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real):
         raise TypeError(f"{op}: momentum must be a real number, got {momentum!r}")
+    if input.dim() < 2:
+        raise InvalidArgument(f"{op}: input must have shape (N, C, *), got {list(input.shape)}")
+    stats = dict(running_mean=running_mean, running_var=running_var)
     if not use_input_stats:
         if running_mean is None or running_var is None:
             raise InvalidArgument(f"{op}: use_input_stats=False needs running_mean and running_var")
+        for name, value in (("weight", weight), ("bias", bias)):
+            _check_param(op, name, value, (input.shape[1],))
         _check_eps(op, eps)
+        _backend(op, input, weight=weight, bias=bias, **stats)
+        _check_param_dtypes("instance_norm", input, weight=weight, bias=bias)
         shape = (1, -1) + (1,) * (input.dim() - 2)
         y = (input - running_mean.view(shape)) * torch.rsqrt(running_var.view(shape) + eps)
         if weight is not None:
             y = y * weight.view(shape)
         return y + bias.view(shape) if bias is not None else y
-    if input.dim() >= 2 and input.numel() and math.prod(input.shape[2:]) <= 1:
+    if math.prod(input.shape[2:]) == 1:  # as torch: whatever the batch size (empty included)
         raise InvalidArgument(f"{op}: expected more than 1 spatial element per channel when "
                               f"use_input_stats=True, got input shape {list(input.shape)}")  # fmt: skip
-    C = input.shape[1] if input.dim() >= 2 else 0
+    dispatch.check_devices(input, **stats)
+    C = input.shape[1]
     y, mean, rstd = _group_norm(op, input, C or 1, weight, bias, eps)
     if running_mean is not None or running_var is not None:
         hw = math.prod(input.shape[2:])
@@ -320,12 +362,14 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
     if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real):
         raise TypeError(f"{op}: momentum must be a real number, got {momentum!r}")
     eps = _check_eps(op, eps)
-    count = input.numel() // C if C else 0
+    count = input.shape[0] * math.prod(input.shape[2:])  # values per channel, as torch counts them
     if training and count == 1:
         raise InvalidArgument(f"{op}: expected more than 1 value per channel when training, got input "
                               f"shape {list(input.shape)}")  # fmt: skip
     _backend(op, input, weight=weight, bias=bias, running_mean=running_mean,
              running_var=running_var)  # fmt: skip
+    # weight / bias as torch; the running statistics may be of any float dtype (docs/testing.md).
+    _check_param_dtypes(op, input, weight=weight, bias=bias)
     x = input.reshape(input.shape[0], C, math.prod(input.shape[2:])).contiguous()
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     if training:

@@ -1,0 +1,319 @@
+"""Argument errors of every public op: the type, and a message naming the argument, the value given
+and what is accepted. tests/test_api.py covers LayerNorm/RMSNorm's normalized_shape, weight, eps and
+input-dtype errors; the per-family files a few more. This file covers the rest, for every op."""
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import normkit
+from normkit import dispatch
+
+NONFLOAT = [torch.int64, torch.int32, torch.uint8, torch.bool, torch.complex64, torch.complex128]
+
+
+def _x(shape=(4, 6, 5), dtype=torch.float32, device="cpu"):
+    return torch.randn(shape).to(dtype).to(device) if dtype.is_floating_point or dtype.is_complex \
+        else torch.ones(shape, dtype=dtype, device=device)  # fmt: skip
+
+
+# One call per public op with its input replaced: (name of the input argument, call).
+CALLS = {
+    "softmax": ("input", lambda x: normkit.softmax(x, -1)),
+    "log_softmax": ("input", lambda x: normkit.log_softmax(x, 1)),
+    "add_layer_norm": ("x", lambda x: normkit.add_layer_norm(x, None, 5)),
+    "add_rms_norm": ("x", lambda x: normkit.add_rms_norm(x, None, 5)),
+    "group_norm": ("input", lambda x: normkit.group_norm(x, 3)),
+    "instance_norm": ("input", lambda x: normkit.instance_norm(x)),
+    "batch_norm": ("input", lambda x: normkit.batch_norm(x, None, None, training=True)),
+    "layer_norm-3d": ("input", lambda x: normkit.layer_norm(x, (6, 5))),
+    "rms_norm-3d": ("input", lambda x: normkit.rms_norm(x, (6, 5))),
+}
+
+
+def _check(info, *words):
+    message = str(info.value)
+    for word in words:
+        assert word in message, f"{word!r} not in {message!r}"
+    assert isinstance(info.value, RuntimeError), "normkit errors are RuntimeErrors too (as torch's)"
+
+
+@pytest.mark.parametrize("dtype", NONFLOAT, ids=str)
+@pytest.mark.parametrize("op", CALLS)
+def test_integer_bool_complex_inputs(op, dtype):
+    name, call = CALLS[op]
+    with pytest.raises(normkit.InvalidDtype) as info:
+        call(_x(dtype=dtype))
+    _check(info, name, str(dtype), "float32", "bfloat16")
+
+
+@pytest.mark.parametrize("op", CALLS)
+def test_unregistered_device(op):
+    name, call = CALLS[op]
+    with pytest.raises(normkit.InvalidArgument) as info:
+        call(_x(device="meta"))
+    _check(info, name, "'meta'", "cpu", "cuda", "npu")
+
+
+@pytest.mark.parametrize("op", CALLS)
+def test_not_a_tensor(op):
+    name, call = CALLS[op]
+    with pytest.raises(TypeError) as info:
+        call([[1.0] * 5] * 6)
+    assert name in str(info.value) and "list" in str(info.value)
+
+
+# --- parameters: shape, device, dtype --------------------------------------------------------------
+
+C = 6  # channels of _x()
+PARAM_CALLS = {  # op -> call(x, **params); x is (4, 6, 5)
+    "layer_norm": lambda x, **p: normkit.layer_norm(x, (5,), p.get("weight"), p.get("bias")),
+    "rms_norm": lambda x, **p: normkit.rms_norm(x, (5,), p.get("weight")),
+    "add_layer_norm": lambda x, **p: normkit.add_layer_norm(x, x, (5,), p.get("weight"), p.get("bias")),
+    "add_rms_norm": lambda x, **p: normkit.add_rms_norm(x, x, (5,), p.get("weight")),
+    "group_norm": lambda x, **p: normkit.group_norm(x, 3, p.get("weight"), p.get("bias")),
+    "instance_norm": lambda x, **p: normkit.instance_norm(x, weight=p.get("weight"), bias=p.get("bias")),
+    "instance_norm-running": lambda x, **p: normkit.instance_norm(
+        x, p.get("running_mean"), p.get("running_var"), p.get("weight"), p.get("bias"),
+        use_input_stats=False),  # fmt: skip
+    "batch_norm": lambda x, **p: normkit.batch_norm(
+        x, p.get("running_mean", torch.zeros(C)), p.get("running_var", torch.ones(C)), p.get("weight"),
+        p.get("bias"), training=True),  # fmt: skip
+}
+PARAM_SIZE = {"layer_norm": 5, "rms_norm": 5, "add_layer_norm": 5, "add_rms_norm": 5}
+
+
+def _params(op):
+    names = ["weight"] if "rms" in op else ["weight", "bias"]
+    if op in ("batch_norm", "instance_norm-running"):
+        names += ["running_mean", "running_var"]
+    return names
+
+
+def _good(op, name):
+    n = PARAM_SIZE.get(op, C)
+    return torch.ones(n) if name != "running_mean" else torch.zeros(n)
+
+
+@pytest.mark.parametrize("op,name", [(op, n) for op in PARAM_CALLS for n in _params(op)], ids=str)
+def test_parameter_of_wrong_shape(op, name):
+    params = {n: _good(op, n) for n in _params(op)}
+    params[name] = torch.ones(PARAM_SIZE.get(op, C) + 1)
+    with pytest.raises(normkit.InvalidArgument) as info:
+        PARAM_CALLS[op](_x(), **params)
+    bad = str(PARAM_SIZE.get(op, C) + 1)
+    _check(info, name, f"[{bad}]", f"[{PARAM_SIZE.get(op, C)}]")
+
+
+@pytest.mark.parametrize("op,name", [(op, n) for op in PARAM_CALLS for n in _params(op)], ids=str)
+def test_parameter_on_another_device(op, name):
+    params = {n: _good(op, n) for n in _params(op)}
+    params[name] = params[name].to("meta")
+    with pytest.raises(normkit.InvalidArgument) as info:
+        PARAM_CALLS[op](_x(), **params)
+    _check(info, name, "meta", "cpu", "same device")
+
+
+@pytest.mark.parametrize("op,name", [(op, n) for op in PARAM_CALLS for n in _params(op)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.complex64], ids=str)
+def test_parameter_of_non_float_dtype(op, name, dtype):
+    params = {n: _good(op, n) for n in _params(op)}
+    params[name] = params[name].to(dtype)
+    with pytest.raises(normkit.InvalidDtype) as info:
+        PARAM_CALLS[op](_x(), **params)
+    _check(info, name, str(dtype), "float32")
+
+
+FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+TORCH_RULE_OPS = {  # normkit op -> the torch.nn.functional op whose dtype rule it follows
+    "layer_norm": lambda x, w, b: F.layer_norm(x, (5,), w, b),
+    "group_norm": lambda x, w, b: F.group_norm(x, 3, w, b),
+    "batch_norm": lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True),
+    "instance_norm": lambda x, w, b: F.instance_norm(x, weight=w, bias=b),
+}
+
+
+@pytest.mark.parametrize("op", list(TORCH_RULE_OPS) + ["add_layer_norm"])
+def test_mixed_parameter_dtypes_rejected_where_torch_rejects(op):
+    """Every (input, weight, bias) dtype triple, with None: normkit accepts exactly what torch
+    (CPU) accepts; a rejection names the parameter, its dtype and what is accepted. add_layer_norm
+    follows layer_norm's rule, relative to x's dtype."""
+    torch_call = TORCH_RULE_OPS[op if op != "add_layer_norm" else "layer_norm"]
+    n = PARAM_SIZE.get(op, C)
+    checked = 0
+    for xd, wd, bd in itertools.product(FLOATS, FLOATS + [None], FLOATS + [None]):
+        x = _x(dtype=xd)
+        w = None if wd is None else torch.ones(n, dtype=wd)
+        b = None if bd is None else torch.zeros(n, dtype=bd)
+        try:
+            torch_call(x, w, b)
+            torch_ok = True
+        except RuntimeError:
+            torch_ok = False
+        if torch_ok:
+            y = PARAM_CALLS[op](x, weight=w, bias=b)
+            assert y.dtype == xd
+            checked += 1
+            continue
+        with pytest.raises(normkit.InvalidDtype) as info:
+            PARAM_CALLS[op](x, weight=w, bias=b)
+        message = str(info.value)
+        assert ("weight" in message or "bias" in message) and "accepted" in message, message
+        assert str(wd) in message or str(bd) in message, message
+    assert checked >= 8  # same dtypes (4 x with/without params) and fp32 params of half inputs
+
+
+def test_rms_norm_accepts_any_float_weight_like_torch():
+    """torch's rms_norm is composite: any float weight dtype works (normkit: y in x's dtype)."""
+    for xd, wd in itertools.product(FLOATS, FLOATS):
+        x = _x((3, 5), xd)
+        y = normkit.rms_norm(x, (5,), torch.ones(5, dtype=wd))
+        expected = F.rms_norm(x.double(), (5,), torch.ones(5, dtype=torch.float64),
+                              eps=torch.finfo(xd).eps)  # fmt: skip
+        assert y.dtype == xd
+        torch.testing.assert_close(y.double(), expected, atol=2e-2, rtol=2e-2)
+
+
+# --- scalar arguments -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("groups,error,words", [
+    (4, normkit.InvalidArgument, ["num_groups 4", "6 channels", "C % num_groups == 0"]),
+    (12, normkit.InvalidArgument, ["num_groups 12", "6 channels"]),
+    (-3, normkit.InvalidArgument, ["num_groups", "-3", "positive int"]),
+    (True, normkit.InvalidArgument, ["num_groups", "True", "positive int"]),
+    (3.0, normkit.InvalidArgument, ["num_groups", "3.0", "positive int"]),
+], ids=["4", "12", "negative", "bool", "float"])  # fmt: skip
+def test_num_groups(groups, error, words):
+    with pytest.raises(error) as info:
+        normkit.group_norm(_x(), groups)
+    _check(info, *words)
+
+
+@pytest.mark.parametrize("op", ["softmax", "log_softmax"])
+@pytest.mark.parametrize("shape,dim,accepted", [
+    ((4, 6, 5), 3, "[-3, 2]"), ((4, 6, 5), -4, "[-3, 2]"), ((7,), 1, "[-1, 0]"), ((), 1, "[-1, 0]"),
+    ((), -2, "[-1, 0]"),
+], ids=str)  # fmt: skip
+def test_dim_out_of_range(op, shape, dim, accepted):
+    with pytest.raises(normkit.InvalidArgument) as info:
+        getattr(normkit, op)(torch.randn(shape), dim)
+    _check(info, "dim", str(dim), accepted)
+    with pytest.raises(IndexError):  # torch rejects the same dims
+        getattr(F, op)(torch.randn(shape), dim)
+
+
+@pytest.mark.parametrize("op", ["softmax", "log_softmax"])
+@pytest.mark.parametrize("dim", [1.0, "1", None, True], ids=repr)
+def test_dim_of_wrong_type(op, dim):
+    with pytest.raises(TypeError) as info:
+        getattr(normkit, op)(torch.randn(3, 4), dim)
+    assert "dim" in str(info.value) and repr(dim) in str(info.value)
+
+
+EPS_CALLS = {
+    "add_layer_norm": lambda eps: normkit.add_layer_norm(_x(), None, 5, eps=eps),
+    "add_rms_norm": lambda eps: normkit.add_rms_norm(_x(), None, 5, eps=eps),
+    "group_norm": lambda eps: normkit.group_norm(_x(), 3, eps=eps),
+    "instance_norm": lambda eps: normkit.instance_norm(_x(), eps=eps),
+    "instance_norm-running": lambda eps: normkit.instance_norm(_x(), torch.zeros(C), torch.ones(C),
+                                                               use_input_stats=False, eps=eps),
+    "batch_norm": lambda eps: normkit.batch_norm(_x(), None, None, training=True, eps=eps),
+    "batch_norm-eval": lambda eps: normkit.batch_norm(_x(), torch.zeros(C), torch.ones(C), eps=eps),
+}
+
+
+@pytest.mark.parametrize("eps,error,words", [
+    (-1e-5, normkit.InvalidArgument, ["eps", "-1e-05", ">= 0"]),
+    (float("inf"), normkit.InvalidArgument, ["eps", "inf", "finite"]),
+    (float("nan"), normkit.InvalidArgument, ["eps", "nan"]),
+    ("1e-5", TypeError, ["eps", "'1e-5'", "real number"]),
+    (torch.tensor(1e-5), TypeError, ["eps", "tensor"]),
+], ids=["negative", "inf", "nan", "str", "tensor"])  # fmt: skip
+@pytest.mark.parametrize("op", EPS_CALLS)
+def test_eps(op, eps, error, words):
+    with pytest.raises(error) as info:
+        EPS_CALLS[op](eps)
+    for word in words:
+        assert word in str(info.value), f"{word!r} not in {info.value}"
+
+
+@pytest.mark.parametrize("op", ["add_layer_norm", "add_rms_norm"])
+@pytest.mark.parametrize("p", [float("nan"), float("inf"), 1.5, -0.0001, True, None], ids=repr)
+def test_dropout_p_outside_0_1(op, p):
+    with pytest.raises(normkit.InvalidArgument) as info:
+        getattr(normkit, op)(_x(), None, 5, dropout_p=p)
+    _check(info, "dropout_p", repr(p), "[0, 1)")
+
+
+@pytest.mark.parametrize("op", ["add_layer_norm", "add_rms_norm"])
+def test_add_norm_residual_errors(op):
+    fn = getattr(normkit, op)
+    with pytest.raises(normkit.InvalidDtype) as info:
+        fn(_x(), _x(dtype=torch.int32), 5)
+    _check(info, "residual", "int32", "float32")
+    with pytest.raises(normkit.InvalidDtype) as info:
+        fn(_x(), _x(dtype=torch.complex64), 5)
+    _check(info, "residual", "complex64")
+    with pytest.raises(normkit.InvalidArgument) as info:
+        fn(_x(), _x(), 6)
+    _check(info, "normalized_shape", "[6]", "x")
+    with pytest.raises(normkit.InvalidArgument) as info:
+        fn(_x(), _x(), 5, seed=2**63)
+    _check(info, "seed", str(2**63), "[0, 2**63)")
+
+
+@pytest.mark.parametrize("op", ["batch_norm", "instance_norm"])
+def test_momentum_type(op):
+    x = _x()
+    with pytest.raises(TypeError) as info:
+        if op == "batch_norm":
+            normkit.batch_norm(x, torch.zeros(C), torch.ones(C), training=True, momentum="0.1")
+        else:
+            normkit.instance_norm(x, torch.zeros(C), torch.ones(C), momentum="0.1")
+    assert "momentum" in str(info.value) and "'0.1'" in str(info.value)
+
+
+@pytest.mark.parametrize("shape", [(0, 4), (3, 4), (2, 4, 1), (0, 4, 1, 1)], ids=str)
+def test_instance_norm_one_spatial_element_like_torch(shape):
+    """torch rejects one spatial element whatever the batch size (an empty batch too)."""
+    with pytest.raises(ValueError):
+        F.instance_norm(torch.randn(shape))
+    with pytest.raises(normkit.InvalidArgument) as info:
+        normkit.instance_norm(torch.randn(shape))
+    _check(info, "spatial element", str(list(shape)))
+
+
+@pytest.mark.parametrize("shape", [(1, 4), (1, 4, 1), (1, 0, 1)], ids=str)
+def test_batch_norm_one_value_per_channel_like_torch(shape):
+    with pytest.raises(ValueError):
+        F.batch_norm(torch.randn(shape), None, None, training=True)
+    with pytest.raises(normkit.InvalidArgument) as info:
+        normkit.batch_norm(torch.randn(shape), None, None, training=True)
+    _check(info, "more than 1 value per channel", str(list(shape)))
+
+
+@pytest.mark.parametrize("op", ["group_norm", "instance_norm", "batch_norm"])
+@pytest.mark.parametrize("shape", [(6,), ()], ids=str)
+def test_channel_ops_need_n_c(op, shape):
+    x = torch.randn(shape)
+    with pytest.raises(normkit.InvalidArgument) as info:
+        if op == "group_norm":
+            normkit.group_norm(x, 1)
+        elif op == "instance_norm":
+            normkit.instance_norm(x)
+        else:
+            normkit.batch_norm(x, None, None, training=True)
+    _check(info, "input", "(N, C, *)", str(list(shape)))
+
+
+def test_backend_dtype_error_names_the_backend():
+    """A dtype the float set allows but the serving backend lacks (fp64 on the NPU kernels)."""
+    with dispatch.use_backend("cpu", "normkit.backends.npu"):
+        for call in (lambda x: normkit.softmax(x, -1), lambda x: normkit.group_norm(x, 3),
+                     lambda x: normkit.add_rms_norm(x, None, 5)):  # fmt: skip
+            with pytest.raises(normkit.InvalidDtype) as info:
+                call(_x(dtype=torch.float64))
+            _check(info, "float64", "npu backend", "float32")

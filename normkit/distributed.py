@@ -91,7 +91,7 @@ def _plain(*values) -> bool:
 
 
 def _placements_text(placements) -> str:
-    return "(" + ", ".join(str(p) for p in placements) + ")"
+    return "(" + ", ".join(repr(p) for p in placements) + ")"
 
 
 def _check_input(op: str, name: str, x, bad_dims, accepted: str) -> None:
@@ -99,14 +99,14 @@ def _check_input(op: str, name: str, x, bad_dims, accepted: str) -> None:
     for mesh_dim, p in enumerate(x.placements):
         if p.is_partial():
             raise InvalidArgument(
-                f"{op}: {name} is a DTensor with placement {p} on mesh dim {mesh_dim} (placements "
+                f"{op}: {name} is a DTensor with placement {p!r} on mesh dim {mesh_dim} (placements "
                 f"{_placements_text(x.placements)}): a norm of a pending sum is not the sum of norms; "
                 f"reduce it first (e.g. {name}.redistribute(placements=[Shard(1)]) for sequence "
                 f"parallelism); accepted: {accepted}"
             )
         if p.is_shard() and p.dim % max(x.dim(), 1) in bad_dims:
             raise InvalidArgument(
-                f"{op}: {name} is a DTensor sharded along dim {p.dim} ({p} on mesh dim {mesh_dim}, "
+                f"{op}: {name} is a DTensor sharded along dim {p.dim} ({p!r} on mesh dim {mesh_dim}, "
                 f"placements {_placements_text(x.placements)}, shape {list(x.shape)}), a dim {op} "
                 f"reduces over; normkit does not gather activations: accepted: {accepted} (or "
                 f"redistribute explicitly)"
@@ -133,7 +133,7 @@ def _local_param(op: str, name: str, p, x, grad_placements):
             f"Replicate() on every mesh dim (norm parameters are replicated under tensor/sequence "
             f"parallelism; FSDP2 unshards them before forward)"
         )
-    return p.to_local(grad_placements=grad_placements)
+    return _settled(p.to_local(grad_placements=grad_placements))
 
 
 def _local_buffer(op: str, name: str, b):
@@ -146,6 +146,44 @@ def _local_buffer(op: str, name: str, b):
                               f"accepted: Replicate() on every mesh dim")  # fmt: skip
     with torch.no_grad():
         return b.to_local()
+
+
+class _Wait(torch.autograd.Function):
+    """Identity whose output is a plain tensor: waits for an AsyncCollectiveTensor."""
+
+    @staticmethod
+    def forward(ctx, t):
+        done = t.trigger_wait()
+        return done.view_as(done)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _SettleGrad(torch.autograd.Function):
+    """Identity whose backward waits for an AsyncCollectiveTensor gradient (the gradient that the
+    next layer's redistribution hands back) before the backward kernels read it."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _settled(grad)
+
+
+def _settled(t):
+    """``to_local()`` of a DTensor just made by a collective (e.g. the reduce-scatter of a rowwise
+    linear) is an AsyncCollectiveTensor, whose memory the kernels cannot read until it is waited
+    for; torch ops wait implicitly, a kernel launch does not."""
+    if t is None or type(t) is Tensor or type(t) is Parameter:
+        return t
+    funcol = sys.modules.get("torch.distributed._functional_collectives")
+    if funcol is not None and isinstance(t, funcol.AsyncCollectiveTensor):
+        return _Wait.apply(t) if t.requires_grad else t.trigger_wait()
+    return t
 
 
 def _global_stride(local: Tensor, shape) -> tuple[int, ...]:
@@ -162,6 +200,8 @@ def _wrap(out, x):
     from torch.distributed.tensor import DTensor
 
     def one(t):
+        if t.requires_grad:
+            t = _SettleGrad.apply(t)
         return DTensor.from_local(t, x.device_mesh, x.placements, run_check=False, shape=x.shape,
                                   stride=_global_stride(t, x.shape))  # fmt: skip
 
@@ -195,8 +235,8 @@ def _sharded(op, x, name, bad_dims, accepted, params, fn, others=None):
             got = _placements_text(v.placements) if is_dtensor(v) else f"a {type(v).__name__}"
             raise InvalidArgument(f"{op}: {n} is {got}; expected a DTensor with {name}'s placements "
                                   f"{_placements_text(x.placements)} on its mesh")  # fmt: skip
-        local[n] = v.to_local()
-    return _wrap(fn(x.to_local(), **local), x)
+        local[n] = _settled(v.to_local())
+    return _wrap(fn(_settled(x.to_local()), **local), x)
 
 
 def _trailing_dims(x, normalized_shape) -> range:

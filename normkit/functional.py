@@ -284,6 +284,12 @@ def _group_norm(op, input, num_groups, weight, bias, eps):
 def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
     """Same signature and semantics as :func:`torch.nn.functional.group_norm`: input (N, C, *),
     statistics per (sample, group of C / num_groups channels), per-channel weight and bias."""
+    if (isinstance(input, torch.Tensor) and input.dim() >= 2 and isinstance(num_groups, int)
+            and num_groups > 0 and input.shape[1] % num_groups == 0
+            and input.shape[0] * (input.shape[1] // num_groups) * math.prod(input.shape[2:]) == 1):
+        # torch's own check (N * C / G * spatial == 1), message included
+        raise InvalidArgument(f"group_norm: expected more than 1 value per channel when training, "
+                              f"got input shape {list(input.shape)} with num_groups {num_groups}")  # fmt: skip
     return _group_norm("group_norm", input, num_groups, weight, bias, eps)[0]
 
 
@@ -329,7 +335,8 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
     dispatch.check_devices(input, **stats)
     C = input.shape[1]
     y, mean, rstd = _group_norm(op, input, C or 1, weight, bias, eps)
-    if running_mean is not None or running_var is not None:
+    if (running_mean is not None or running_var is not None) and input.numel():
+        # (an empty input leaves the running statistics as they are, as torch does for HW = 0)
         hw = math.prod(input.shape[2:])
         with torch.no_grad():
             mean_nc = mean.view(input.shape[0], C)
@@ -362,6 +369,8 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
     if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real):
         raise TypeError(f"{op}: momentum must be a real number, got {momentum!r}")
     eps = _check_eps(op, eps)
+    if training and eps == 0:  # as torch (2.13): rstd would be inf for a constant channel
+        raise InvalidArgument(f"{op}: eps must be positive when training, got {eps!r}; accepted: eps > 0")
     count = input.shape[0] * math.prod(input.shape[2:])  # values per channel, as torch counts them
     if training and count == 1:
         raise InvalidArgument(f"{op}: expected more than 1 value per channel when training, got input "
@@ -377,6 +386,8 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
             mean, var = ops.batch_norm_stats(x.detach())
             rstd = torch.rsqrt(var + eps)
             count = x.shape[0] * x.shape[2]
+            if count == 0:  # an empty batch leaves the running statistics as they are (as torch)
+                running_mean = running_var = None
             if running_mean is not None:  # as torch: the running variance is the unbiased one
                 running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
             if running_var is not None:

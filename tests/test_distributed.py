@@ -13,6 +13,7 @@ Scenarios (normkit model vs the same model on torch.nn norms, same init and data
           colwise / rowwise linears; also against the unsharded torch model
   ops     every public op on DTensors: placements kept, values and gradients vs torch on the full
           tensors, collectives counted with CommDebugMode (zero in forward and backward)
+  compile torch.compile(fullgraph=True) of an op on a sequence-sharded DTensor
   errors  sharding along a normalized dim, Partial inputs, plain weights with DTensor inputs
   docs    (cpu only) the FSDP2 + TP example of docs/distributed.md runs under torchrun
 
@@ -147,7 +148,7 @@ def _grad_rel_diffs(ref, model) -> dict[str, float]:
 
 
 def _param_max_diff(ref, model) -> float:
-    return max(float((_full(p) - _full(q)).abs().max()) for p, q in zip(ref.parameters(), model.parameters()))
+    return max(float((_full(p) - _full(q)).abs().max().detach()) for p, q in zip(ref.parameters(), model.parameters()))
 
 
 def _train(ref, model, data, steps=STEPS):
@@ -385,7 +386,31 @@ def scenario_errors(device, rank):
     return out
 
 
-SCENARIOS = {"ops": scenario_ops, "errors": scenario_errors, "ddp": scenario_ddp, "fsdp2": scenario_fsdp2,
+def scenario_compile(device, rank):
+    """torch.compile(fullgraph=True) traces the DTensor path (to_local / from_local) and the ops."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh(device, (WORLD,))
+    torch.manual_seed(2)
+    x, w, dy = torch.randn(2, 6, 16, device=device), torch.randn(16, device=device), torch.randn(2, 6, 16, device=device)
+    dx = distribute_tensor(x, mesh, [Shard(1)]).requires_grad_()
+    dw = nn.Parameter(distribute_tensor(w, mesh, [Replicate()]))
+    torch._dynamo.reset()
+    # aot_eager: Dynamo + AOTAutograd (what must trace the DTensor path) without inductor codegen time.
+    fn = torch.compile(lambda x, w: normkit.rms_norm(x, (16,), w, 1e-6), fullgraph=True, backend="aot_eager")
+    y = fn(dx, dw)
+    y.backward(distribute_tensor(dy, mesh, [Shard(1)]))
+    rx, rw = x.clone().requires_grad_(), w.clone().requires_grad_()
+    ry = torch.nn.functional.rms_norm(rx, (16,), rw, 1e-6)
+    ry.backward(dy)
+    return dict(placements=str(tuple(y.placements)), y_err=float((y.full_tensor() - ry).abs().max().detach()),
+                grad_errs=[float((dx.grad.full_tensor() - rx.grad).abs().max()),
+                           float((dw.grad.full_tensor() - rw.grad).abs().max())],
+                weight_grad_placements=str(tuple(dw.grad.placements)))  # fmt: skip
+
+
+SCENARIOS = {"ops": scenario_ops, "compile": scenario_compile, "errors": scenario_errors, "ddp": scenario_ddp, "fsdp2": scenario_fsdp2,
              "tp": scenario_tp}  # fmt: skip
 
 
@@ -396,7 +421,7 @@ def _worker(rank, device, port, out_dir):
         torch.cuda.set_device(rank)
     torch.backends.cuda.matmul.allow_tf32 = False
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=120), **(
+                            timeout=datetime.timedelta(seconds=300), **(
                                 dict(device_id=torch.device("cuda", rank)) if device == "cuda" else {}))  # fmt: skip
     report = {}
     try:
@@ -531,6 +556,12 @@ def test_dtensor_ops_run_locally(report):
             n_act = 2 if name.startswith("add_") else 1
             for g in r["grad_placements"][n_act:]:  # weight / bias: pending sums over the shards
                 assert g == ("(Partial(sum),)" if sharded else "(Replicate(),)"), (name, r)
+
+
+def test_dtensor_ops_compile_fullgraph(report):
+    for r in _result(report, "compile"):
+        assert r["placements"] == "(Shard(dim=1),)" and r["weight_grad_placements"] == "(Partial(sum),)", r
+        assert r["y_err"] <= OP_ATOL and max(r["grad_errs"]) <= OP_ATOL, r
 
 
 @pytest.mark.parametrize("case,words", [

@@ -232,7 +232,7 @@ def _sharded(op, x, name, bad_dims, accepted, params, fn, others=None):
             local[n] = None
             continue
         if not is_dtensor(v) or v.device_mesh != x.device_mesh or tuple(v.placements) != tuple(x.placements):
-            got = _placements_text(v.placements) if is_dtensor(v) else f"a {type(v).__name__}"
+            got = _placements_text(v.placements) if is_dtensor(v) else f"a plain {type(v).__name__}"
             raise InvalidArgument(f"{op}: {n} is {got}; expected a DTensor with {name}'s placements "
                                   f"{_placements_text(x.placements)} on its mesh")  # fmt: skip
         local[n] = _settled(v.to_local())
@@ -252,7 +252,8 @@ def _trailing_dims(x, normalized_shape) -> range:
 
 def _accepted_rows(x, normalized_shape) -> str:
     first = _trailing_dims(x, normalized_shape).start
-    return f"Replicate() or Shard(d) with d < {first} (a dim before the normalized ones, e.g. batch or sequence)"
+    return (f"Replicate() or Shard(d) with d < {first} (a dim before the normalized ones, e.g. batch or "
+            f"sequence)")
 
 
 # --- row ops ----------------------------------------------------------------------------------------
@@ -368,7 +369,8 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
         bad = set(range(input.dim()))
     running = [_local_buffer(op, n, b) for n, b in (("running_mean", running_mean),
                                                             ("running_var", running_var))]  # fmt: skip
-    accepted = _BATCH_ONLY if not bad or 0 not in bad else "Replicate() (running statistics average the whole batch)"
+    accepted = (_BATCH_ONLY if not bad or 0 not in bad
+                else "Replicate() (running statistics average the whole batch)")
     return _sharded(op, input, "input", bad, accepted, dict(weight=weight, bias=bias),
                     lambda x, weight, bias: F.instance_norm(x, *running, weight, bias, use_input_stats,
                                                             momentum, eps))  # fmt: skip

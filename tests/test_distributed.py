@@ -148,7 +148,8 @@ def _grad_rel_diffs(ref, model) -> dict[str, float]:
 
 
 def _param_max_diff(ref, model) -> float:
-    return max(float((_full(p) - _full(q)).abs().max().detach()) for p, q in zip(ref.parameters(), model.parameters()))
+    pairs = zip(ref.parameters(), model.parameters())
+    return max(float((_full(p) - _full(q)).abs().max().detach()) for p, q in pairs)
 
 
 def _train(ref, model, data, steps=STEPS):
@@ -170,7 +171,8 @@ def _train(ref, model, data, steps=STEPS):
         for opt in opts:
             opt.step()
         log.append(dict(step=step, loss_torch=losses[0], loss_normkit=losses[1],
-                        max_grad_rel_diff=max(diffs.values()), max_norm_grad_rel_diff=max(norm_diffs.values()),
+                        max_grad_rel_diff=max(diffs.values()),
+                        max_norm_grad_rel_diff=max(norm_diffs.values()),
                         norm_params=len(norm_diffs), params_without_grad=missing))  # fmt: skip
     return dict(steps=log, param_max_diff_after=_param_max_diff(ref, model))
 
@@ -213,11 +215,13 @@ def _tp_plan(model):
             "norm": SequenceParallel(),
             "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}  # fmt: skip
     for i in range(len(model.blocks)):
-        plan.update({f"blocks.{i}.attn_norm": SequenceParallel(), f"blocks.{i}.attn": PrepareModuleInput(**gather),
+        plan.update({f"blocks.{i}.attn_norm": SequenceParallel(),
+                     f"blocks.{i}.attn": PrepareModuleInput(**gather),
                      f"blocks.{i}.attn.q": ColwiseParallel(), f"blocks.{i}.attn.k": ColwiseParallel(),
                      f"blocks.{i}.attn.v": ColwiseParallel(),
                      f"blocks.{i}.attn.o": RowwiseParallel(output_layouts=Shard(1)),
-                     f"blocks.{i}.mlp_norm": SequenceParallel(), f"blocks.{i}.mlp": PrepareModuleInput(**gather),
+                     f"blocks.{i}.mlp_norm": SequenceParallel(),
+                     f"blocks.{i}.mlp": PrepareModuleInput(**gather),
                      f"blocks.{i}.mlp.up": ColwiseParallel(),
                      f"blocks.{i}.mlp.down": RowwiseParallel(output_layouts=Shard(1))})  # fmt: skip
     return plan
@@ -259,8 +263,9 @@ def scenario_tp(device, rank):
         single_losses.append(float(loss.detach()))
     for entry, loss in zip(out["steps"], single_losses):
         entry["loss_unsharded_torch"] = loss
+    grad = model.blocks[0].attn_norm.weight.grad
     out.update(comm_torch_fwd_bwd=counts[0], comm_normkit_fwd_bwd=counts[1], **seen,
-               norm_weight_grad_placements=str(tuple(model.blocks[0].attn_norm.weight.grad.placements)))  # fmt: skip
+               norm_weight_grad_placements=str(tuple(grad.placements)))  # fmt: skip
     return out
 
 
@@ -333,7 +338,8 @@ def scenario_ops(device, rank):
         results[name] = dict(
             fwd_collectives=fwd.get_total_counts(), bwd_collectives=bwd.get_total_counts(),
             is_dtensor=isinstance(y, DTensor), placements=str(tuple(y.placements)),
-            expected_placements=str((placement,)), y_err=float((y.full_tensor() - ref_y).abs().max().detach()),
+            expected_placements=str((placement,)),
+            y_err=float((y.full_tensor() - ref_y).abs().max().detach()),
             grad_errs=[float((g.full_tensor() - r.grad).abs().max()) for g, r in zip(got_grads, ref_in)],
             grad_placements=[str(tuple(g.placements)) for g in got_grads])  # fmt: skip
     # Dropout: every shard its own mask (same seed; the halves of x are equal, their masks are not).
@@ -369,6 +375,9 @@ def scenario_errors(device, rank):
         "layer_norm-sharded-weight": lambda: normkit.layer_norm(
             distribute_tensor(x, mesh, [Shard(0)]), (16,), distribute_tensor(torch.ones(16, device=device),
                                                                              mesh, [Shard(0)])),
+        "add_rms_norm-plain-residual": lambda: normkit.add_rms_norm(
+            distribute_tensor(x, mesh, [Shard(1)]), x, (16,), w),
+        "layer_norm-plain-input-dtensor-weight": lambda: normkit.layer_norm(x, (16,), w),
         "batch_norm-train-shard-batch": lambda: normkit.batch_norm(
             distribute_tensor(x.transpose(1, 2).contiguous(), mesh, [Shard(0)]), None, None, training=True),
         "group_norm-shard-channels": lambda: normkit.group_norm(
@@ -379,8 +388,8 @@ def scenario_errors(device, rank):
         try:
             call()
         except Exception as e:  # noqa: BLE001  (the report carries type and message)
-            out[name] = dict(type=type(e).__name__, is_invalid_argument=isinstance(e, normkit.InvalidArgument),
-                             message=str(e))  # fmt: skip
+            out[name] = dict(type=type(e).__name__, message=str(e),
+                             is_invalid_argument=isinstance(e, normkit.InvalidArgument))  # fmt: skip
         else:
             out[name] = dict(type=None, is_invalid_argument=False, message="no error raised")
     return out
@@ -393,7 +402,7 @@ def scenario_compile(device, rank):
 
     mesh = init_device_mesh(device, (WORLD,))
     torch.manual_seed(2)
-    x, w, dy = torch.randn(2, 6, 16, device=device), torch.randn(16, device=device), torch.randn(2, 6, 16, device=device)
+    x, w, dy = (torch.randn(s, device=device) for s in ((2, 6, 16), (16,), (2, 6, 16)))
     dx = distribute_tensor(x, mesh, [Shard(1)]).requires_grad_()
     dw = nn.Parameter(distribute_tensor(w, mesh, [Replicate()]))
     torch._dynamo.reset()
@@ -410,8 +419,8 @@ def scenario_compile(device, rank):
                 weight_grad_placements=str(tuple(dw.grad.placements)))  # fmt: skip
 
 
-SCENARIOS = {"ops": scenario_ops, "compile": scenario_compile, "errors": scenario_errors, "ddp": scenario_ddp, "fsdp2": scenario_fsdp2,
-             "tp": scenario_tp}  # fmt: skip
+SCENARIOS = {"ops": scenario_ops, "compile": scenario_compile, "errors": scenario_errors, "ddp": scenario_ddp,
+             "fsdp2": scenario_fsdp2, "tp": scenario_tp}  # fmt: skip
 
 
 def _worker(rank, device, port, out_dir):
@@ -420,9 +429,9 @@ def _worker(rank, device, port, out_dir):
     if device == "cuda":
         torch.cuda.set_device(rank)
     torch.backends.cuda.matmul.allow_tf32 = False
+    device_id = dict(device_id=torch.device("cuda", rank)) if device == "cuda" else {}
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=300), **(
-                                dict(device_id=torch.device("cuda", rank)) if device == "cuda" else {}))  # fmt: skip
+                            timeout=datetime.timedelta(seconds=300), **device_id)  # fmt: skip
     report = {}
     try:
         for name, fn in SCENARIOS.items():
@@ -467,20 +476,23 @@ def _summary(device, report) -> str:
         res = entry["result"]
         for s in res["steps"]:
             extra = f" unsharded-torch {s['loss_unsharded_torch']:.6f}" if "loss_unsharded_torch" in s else ""
-            lines.append(f"{name} step {s['step']}: loss torch {s['loss_torch']:.6f} normkit {s['loss_normkit']:.6f}"
+            lines.append(f"{name} step {s['step']}: loss torch {s['loss_torch']:.6f} "
+                         f"normkit {s['loss_normkit']:.6f}"
                          f"{extra} | max grad rel diff {s['max_grad_rel_diff']:.2e} (norm weights "
                          f"{s['max_norm_grad_rel_diff']:.2e})")  # fmt: skip
-        lines.append(f"{name}: max |param diff| after {len(res['steps'])} SGD steps {res['param_max_diff_after']:.2e}")
+        lines.append(f"{name}: max |param diff| after {len(res['steps'])} SGD steps "
+                     f"{res['param_max_diff_after']:.2e}")
     tp = report.get("tp", {}).get("result")
     if tp:
-        lines.append(f"tp: collectives per fwd+bwd torch {tp['comm_torch_fwd_bwd']} normkit {tp['comm_normkit_fwd_bwd']}"
-                     f"; norm input {tp.get('attn_norm_input')}; norm weight grad {tp['norm_weight_grad_placements']}")
+        lines.append(f"tp: collectives per fwd+bwd torch {tp['comm_torch_fwd_bwd']} "
+                     f"normkit {tp['comm_normkit_fwd_bwd']}; norm input {tp.get('attn_norm_input')}; "
+                     f"norm weight grad {tp['norm_weight_grad_placements']}")
     ops = report.get("ops", {}).get("result") or {}
     for name, r in ops.items():
         if "fwd_collectives" in r:
             lines.append(f"op {name}: collectives fwd {r['fwd_collectives']} bwd {r['bwd_collectives']}, out "
-                         f"{r['placements']}, max err y {r['y_err']:.1e} grads {max(r['grad_errs']):.1e}, grad "
-                         f"placements {r['grad_placements']}")  # fmt: skip
+                         f"{r['placements']}, max err y {r['y_err']:.1e} grads {max(r['grad_errs']):.1e}, "
+                         f"grad placements {r['grad_placements']}")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -571,6 +583,8 @@ def test_dtensor_ops_compile_fullgraph(report):
     ("rms_norm-partial-input", ["input", "Partial", "accepted"]),
     ("layer_norm-plain-weight", ["weight", "DTensor", "Replicate()"]),
     ("layer_norm-sharded-weight", ["weight", "Shard(dim=0)", "Replicate()"]),
+    ("add_rms_norm-plain-residual", ["residual", "plain Tensor", "Shard(dim=1)"]),
+    ("layer_norm-plain-input-dtensor-weight", ["weight is a DTensor", "input is a Tensor"]),
     ("batch_norm-train-shard-batch", ["input", "Shard(dim=0)", "SyncBatchNorm"]),
     ("group_norm-shard-channels", ["input", "Shard(dim=1)", "Shard(0)"]),
 ])  # fmt: skip

@@ -68,7 +68,8 @@ def _both(executor, op, x, dy, *, eps=1e-5, affine=True, residual=None, stats=No
     b = (torch.randn(shape, generator=g, dtype=torch.float64) * 0.5).to(dtype) if has_b else None
     results = []
     for lib, device, cast in ((normkit, dev, lambda t: t), (F, "cpu", lambda t: t.double())):
-        leaf = lambda t: None if t is None else cast(t.detach()).to(device).requires_grad_(True)  # noqa: E731
+        def leaf(t, cast=cast, device=device):
+            return None if t is None else cast(t.detach()).to(device).requires_grad_(True)
         xl, wl, bl, rl = leaf(x), leaf(w), leaf(b), leaf(residual)
         st = None if stats is None else [cast(s.clone()).to(device) for s in stats]
         if lib is normkit:

@@ -1,0 +1,598 @@
+"""Hardening on the GPU (marker `cuda`), plus the CPU halves that CI runs:
+
+- int64 indexing: every op family on tensors of more than 2^31 elements (bf16, ~4.3 GB each),
+  and a strided view whose row stride x rows exceeds 2^31; sampled rows against fp64.
+- Multi-GPU: inputs on cuda:1 while cuda:0 is current (skips without two GPUs); streams: work
+  issued on a side stream is ordered after that stream's earlier work.
+- No leaks: 10,000 mixed calls leave torch.cuda.memory_allocated flat; launch-config caches are
+  bounded; normkit called from several threads at once (GPU, and on the CPU in CI).
+- Determinism: every backward (dweight / dbias, the dropout path) bitwise equal run to run.
+
+The > 2^31-element tests take 15-25 GB each; they hold a file lock so that pytest-xdist workers run
+them one at a time, and skip (with the numbers) only if the GPU lacks the memory even then.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import gc
+import math
+import os
+import tempfile
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import normkit
+from normkit import dispatch
+from normkit.testing import Executor, assert_close
+
+BACKENDS = ["cuda", "npu"]  # the CUDA kernels and the NPU kernels, both on the CUDA GPU
+GiB = 1 << 30
+
+
+@contextlib.contextmanager
+def big_memory(need_bytes: int):
+    """One > 2^31-element test at a time across xdist workers; skip if the GPU cannot hold it."""
+    path = os.path.join(tempfile.gettempdir(), "normkit-gpu-big-memory.lock")
+    with open(path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            gc.collect()
+            torch.cuda.empty_cache()
+            free, _ = torch.cuda.mem_get_info()
+            if free < need_bytes:
+                pytest.skip(f"needs {need_bytes / GiB:.1f} GiB of free GPU memory, has {free / GiB:.1f}")
+            yield
+        finally:
+            gc.collect()
+            torch.cuda.empty_cache()
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _on_gpu(run_on, backend, dtype=torch.bfloat16):
+    return run_on(Executor(backend, "cuda"), dtype)
+
+
+def _randn(shape, dtype=torch.bfloat16, seed=0, device="cuda"):
+    g = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(shape, dtype=dtype, device=device, generator=g)
+
+
+def _sample_rows(m):
+    """Row indices at the start, the middle and the end (past element 2^31)."""
+    return sorted({0, 1, m // 2, m - 2, m - 1})
+
+
+# --- int64 indexing -------------------------------------------------------------------------------
+
+M_BIG, N_BIG = (1 << 19) + 64, 4096  # 2^31 + 2^18 elements
+assert M_BIG * N_BIG > 2**31
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_row_norm_more_than_2_31_elements_fwd_bwd(run_on, backend, op):
+    """y, dx at sampled rows (start, middle, end) and the full dweight / dbias against fp64."""
+    with _on_gpu(run_on, backend), big_memory(7 * M_BIG * N_BIG * 2):
+        x = _randn((M_BIG, N_BIG)).requires_grad_()
+        w = (_randn((N_BIG,), seed=1) * 0.5 + 1).requires_grad_()
+        b = (_randn((N_BIG,), seed=2) * 0.5).requires_grad_() if op == "layer_norm" else None
+        y = normkit.layer_norm(x, (N_BIG,), w, b) if op == "layer_norm" else normkit.rms_norm(x, (N_BIG,), w)
+        dy = _randn((M_BIG, N_BIG), seed=3)
+        y.backward(dy)
+        dw_ref = torch.zeros(N_BIG, dtype=torch.float64, device="cuda")
+        db_ref = torch.zeros_like(dw_ref)
+        rows = _sample_rows(M_BIG)
+        chunk = 1 << 16
+        for start in range(0, M_BIG, chunk):  # fp64 dweight / dbias, one chunk of rows at a time
+            xs = x.detach()[start:start + chunk].double()
+            if op == "layer_norm":
+                xhat = F.layer_norm(xs, (N_BIG,), eps=1e-5)
+            else:
+                xhat = F.rms_norm(xs, (N_BIG,), eps=torch.finfo(torch.bfloat16).eps)
+            dw_ref += (dy[start:start + chunk].double() * xhat).sum(0)
+            db_ref += dy[start:start + chunk].double().sum(0)
+            del xs, xhat
+        x64 = x.detach()[rows].double().requires_grad_()
+        w64 = w.detach().double().requires_grad_()
+        b64 = None if b is None else b.detach().double()
+        if op == "layer_norm":
+            y64 = F.layer_norm(x64, (N_BIG,), w64, b64, 1e-5)
+        else:
+            y64 = F.rms_norm(x64, (N_BIG,), w64, torch.finfo(torch.bfloat16).eps)
+        y64.backward(dy[rows].double())
+        assert_close(y.detach()[rows], y64, torch.bfloat16, "fwd", f"y{rows}")
+        assert_close(x.grad[rows], x64.grad, torch.bfloat16, "bwd", f"dx{rows}")
+        assert_close(w.grad, dw_ref, torch.bfloat16, "param", "dweight", M_BIG)
+        if b is not None:
+            assert_close(b.grad, db_ref, torch.bfloat16, "param", "dbias", M_BIG)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("op", ["softmax", "log_softmax"])
+def test_softmax_more_than_2_31_elements_fwd_bwd(run_on, backend, op):
+    with _on_gpu(run_on, backend), big_memory(5 * M_BIG * N_BIG * 2):
+        x = _randn((M_BIG, N_BIG)).requires_grad_()
+        y = getattr(normkit, op)(x, -1)
+        dy = _randn((M_BIG, N_BIG), seed=3)
+        y.backward(dy)
+        rows = _sample_rows(M_BIG)
+        y64 = getattr(F, op)(x.detach()[rows].double(), -1)
+        backward = torch._log_softmax_backward_data if op == "log_softmax" else torch._softmax_backward_data
+        dx64 = backward(dy[rows].double(), y.detach()[rows].double(), 1, torch.float64)
+        assert_close(y.detach()[rows], y64, torch.bfloat16, "fwd", f"y{rows}")
+        assert_close(x.grad[rows], dx64, torch.bfloat16, "bwd", f"dx{rows}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("op", ["add_layer_norm", "add_rms_norm"])
+def test_add_norm_dropout_more_than_2_31_elements(run_on, backend, op):
+    """h = dropout(x) (p = 0.1), y = norm(h): the mask stays random past element 2^31 (int64
+    Philox offsets), y and dx of sampled rows against fp64 through that mask."""
+    p, seed = 0.1, 1234
+    with _on_gpu(run_on, backend), big_memory(6 * M_BIG * N_BIG * 2):
+        x = _randn((M_BIG, N_BIG)).requires_grad_()
+        y, h = getattr(normkit, op)(x, None, (N_BIG,), dropout_p=p, seed=seed, prenorm=True)
+        dy = _randn((M_BIG, N_BIG), seed=3)
+        y.backward(dy)
+        rows = _sample_rows(M_BIG)
+        keep = h.detach()[rows] != 0
+        rate = keep.double().mean().item()
+        assert abs(rate - (1 - p)) < 0.01, f"keep rate {rate} at rows {rows}"
+        assert not torch.equal(keep[0], keep[-1]) and not torch.equal(keep[1], keep[-2])
+        x64 = x.detach()[rows].double().requires_grad_()
+        h64 = x64 * keep / (1 - p)
+        if op == "add_layer_norm":
+            y64 = F.layer_norm(h64, (N_BIG,), eps=1e-5)
+        else:
+            y64 = F.rms_norm(h64, (N_BIG,), eps=torch.finfo(torch.bfloat16).eps)
+        y64.backward(dy[rows].double())
+        assert_close(y.detach()[rows], y64, torch.bfloat16, "fwd", f"y{rows}")
+        assert_close(x.grad[rows], x64.grad, torch.bfloat16, "bwd", f"dx{rows}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_group_norm_more_than_2_31_elements_fwd_bwd(run_on, backend):
+    """(8193, 32, 8192) bf16 with 8 groups: y and dx of sampled samples against fp64."""
+    shape, groups = (8193, 32, 8192), 8
+    assert math.prod(shape) > 2**31
+    with _on_gpu(run_on, backend), big_memory(5 * math.prod(shape) * 2):
+        x = _randn(shape).requires_grad_()
+        w = (_randn((32,), seed=1) * 0.5 + 1).requires_grad_()
+        b = (_randn((32,), seed=2) * 0.5).requires_grad_()
+        y = normkit.group_norm(x, groups, w, b)
+        dy = _randn(shape, seed=3)
+        y.backward(dy)
+        samples = _sample_rows(shape[0])
+        x64 = x.detach()[samples].double().requires_grad_()
+        y64 = F.group_norm(x64, groups, w.detach().double(), b.detach().double())
+        y64.backward(dy[samples].double())
+        assert_close(y.detach()[samples], y64, torch.bfloat16, "fwd", f"y{samples}")
+        assert_close(x.grad[samples], x64.grad, torch.bfloat16, "bwd", f"dx{samples}")
+        assert w.grad.isfinite().all()
+        db64 = torch.zeros(32, dtype=torch.float64, device="cuda")
+        for n in range(0, shape[0], 256):
+            db64 += dy[n:n + 256].double().sum((0, 2))
+        assert_close(b.grad, db64, torch.bfloat16, "param", "dbias", shape[0] * shape[2])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batch_norm_more_than_2_31_elements_fwd_bwd(run_on, backend):
+    """(2049, 1024, 1024) bf16, training: per-channel statistics over 2^21 values, y / dx of
+    sampled samples and dweight / dbias against fp64 sums taken chunk by chunk."""
+    shape = (2049, 1024, 1024)
+    assert math.prod(shape) > 2**31
+    with _on_gpu(run_on, backend), big_memory(5 * math.prod(shape) * 2):
+        x = _randn(shape).requires_grad_()
+        w = (_randn((1024,), seed=1) * 0.5 + 1).requires_grad_()
+        b = (_randn((1024,), seed=2) * 0.5).requires_grad_()
+        rm, rv = torch.zeros(1024, device="cuda"), torch.ones(1024, device="cuda")
+        y = normkit.batch_norm(x, rm, rv, w, b, training=True, momentum=1.0)
+        dy = _randn(shape, seed=3)
+        y.backward(dy)
+        count = shape[0] * shape[2]
+        s = torch.zeros(1024, dtype=torch.float64, device="cuda")
+        for n in range(0, shape[0], 128):
+            s += x.detach()[n:n + 128].double().sum((0, 2))
+        mean = s / count
+        m2 = torch.zeros_like(s)
+        sdy = torch.zeros_like(s)
+        sdyx = torch.zeros_like(s)
+        for n in range(0, shape[0], 128):
+            xc = x.detach()[n:n + 128].double() - mean[None, :, None]
+            m2 += xc.square().sum((0, 2))
+            d = dy[n:n + 128].double()
+            sdy += d.sum((0, 2))
+            sdyx += (d * xc).sum((0, 2))
+        rstd = torch.rsqrt(m2 / count + 1e-5)
+        sdyx *= rstd
+        torch.testing.assert_close(rm.double(), mean, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(rv.double(), m2 / (count - 1), atol=1e-4, rtol=1e-4)
+        samples = _sample_rows(shape[0])
+        xs = x.detach()[samples].double()
+        xhat = (xs - mean[None, :, None]) * rstd[None, :, None]
+        y64 = xhat * w.detach().double()[None, :, None] + b.detach().double()[None, :, None]
+        d = dy[samples].double()
+        dx64 = (d - (sdy[None, :, None] + xhat * sdyx[None, :, None]) / count) * (
+            rstd * w.detach().double())[None, :, None]
+        assert_close(y.detach()[samples], y64, torch.bfloat16, "fwd", f"y{samples}")
+        assert_close(x.grad[samples], dx64, torch.bfloat16, "bwd", f"dx{samples}")
+        assert_close(w.grad, sdyx, torch.bfloat16, "param", "dweight", count)
+        assert_close(b.grad, sdy, torch.bfloat16, "param", "dbias", count)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "softmax", "add_layer_norm"])
+def test_row_stride_times_rows_beyond_2_31(run_on, backend, op):
+    """A row-strided view (rows of a 2^31 + 2^23-element buffer, 1000 columns used): the element
+    offset row * stride passes 2^31 while the tensors themselves are small."""
+    m, stride, n = (1 << 16) + 256, 1 << 15, 1000
+    assert (m - 1) * stride > 2**31
+    with _on_gpu(run_on, backend), big_memory(m * stride * 2 + 8 * GiB):
+        base = torch.empty((m, stride), dtype=torch.bfloat16, device="cuda")
+        x = base[:, 8:8 + n]
+        x.copy_(_randn((m, n)))
+        assert x.stride(0) == stride and not x.is_contiguous()
+        leaf = x.detach().requires_grad_()
+        if op == "softmax":
+            y = normkit.softmax(leaf, -1)
+        elif op == "add_layer_norm":
+            r = _randn((m, n), seed=5)
+            y = normkit.add_layer_norm(leaf, r, (n,))
+        else:
+            y = getattr(normkit, op)(leaf, (n,))
+        dy = _randn((m, n), seed=3)
+        y.backward(dy)
+        rows = _sample_rows(m)
+        x64 = x[rows].double().requires_grad_()
+        if op == "softmax":
+            y64 = F.softmax(x64, -1)
+        elif op == "add_layer_norm":
+            y64 = F.layer_norm(x64 + r[rows].double(), (n,), eps=1e-5)
+        elif op == "layer_norm":
+            y64 = F.layer_norm(x64, (n,), eps=1e-5)
+        else:
+            y64 = F.rms_norm(x64, (n,), eps=torch.finfo(torch.bfloat16).eps)
+        y64.backward(dy[rows].double())
+        assert_close(y.detach()[rows], y64, torch.bfloat16, "fwd", f"y{rows}")
+        if op != "softmax":  # softmax's dx is checked from the rounded y in the other tests
+            assert_close(leaf.grad[rows], x64.grad, torch.bfloat16, "bwd", f"dx{rows}")
+
+
+# --- multi-GPU and streams --------------------------------------------------------------------------
+
+
+def _mixed_calls(device, seed=0):
+    """One call per op family (fwd + bwd) on ``device``: name -> zero-argument function returning
+    the tensors it produced (outputs and gradients)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def t(*shape, scale=1.0, offset=0.0, dtype=torch.float32):
+        return (torch.randn(shape, generator=g) * scale + offset).to(dtype).to(device)
+
+    x2, dy2, w, b = t(37, 1025), t(37, 1025), t(1025, offset=1.0), t(1025)
+    x4, dy4, wc, bc = t(3, 8, 5, 7), t(3, 8, 5, 7), t(8, offset=1.0), t(8)
+    xb, wb = t(9, 40999, dtype=torch.bfloat16), t(40999, dtype=torch.bfloat16)
+
+    def grads(y, dy, *leaves):
+        y.backward(dy)
+        return [y.detach()] + [leaf.grad for leaf in leaves if leaf is not None]
+
+    def leaf(*ts):
+        return [x.detach().clone().requires_grad_() for x in ts]
+
+    def layer_norm():
+        x, w_, b_ = leaf(x2, w, b)
+        return grads(normkit.layer_norm(x, (1025,), w_, b_), dy2, x, w_, b_)
+
+    def rms_norm_long():
+        x, w_ = leaf(xb, wb)
+        return grads(normkit.rms_norm(x, (40999,), w_), xb, x, w_)
+
+    def softmax():
+        (x,) = leaf(x4)
+        return grads(normkit.log_softmax(x, 1), dy4, x)
+
+    def add_norm_dropout():
+        x, r, w_ = leaf(x2, dy2, w)
+        y, h = normkit.add_rms_norm(x, r, (1025,), w_, dropout_p=0.1, seed=7, prenorm=True)
+        torch.autograd.backward([y, h], [dy2, x2])
+        return [y.detach(), h.detach(), x.grad, r.grad, w_.grad]
+
+    def group_norm():
+        x, w_, b_ = leaf(x4, wc, bc)
+        return grads(normkit.group_norm(x, 4, w_, b_), dy4, x, w_, b_)
+
+    def instance_norm():
+        x, w_ = leaf(x4, wc)
+        return grads(normkit.instance_norm(x, weight=w_), dy4, x, w_)
+
+    def batch_norm():
+        x, w_, b_ = leaf(x4, wc, bc)
+        rm, rv = torch.zeros(8, device=device), torch.ones(8, device=device)
+        out = grads(normkit.batch_norm(x, rm, rv, w_, b_, training=True), dy4, x, w_, b_)
+        return out + [rm, rv]
+
+    return dict(layer_norm=layer_norm, rms_norm_long=rms_norm_long, softmax=softmax,
+                add_norm_dropout=add_norm_dropout, group_norm=group_norm, instance_norm=instance_norm,
+                batch_norm=batch_norm)  # fmt: skip
+
+
+def _reference_of(name, device):
+    """The same call on the CPU reference backend, in fp64-free plain torch (fp32 math)."""
+    with dispatch.use_backend("cpu", "normkit.reference"):
+        return [t.cpu() for t in _mixed_calls("cpu")[name]()]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_input_on_second_gpu_runs_there(run_on, backend):
+    """cuda:0 current, inputs on cuda:1: launched on cuda:1 (device guard), nothing allocated on
+    cuda:0, results as on the CPU reference."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 CUDA GPUs, found {torch.cuda.device_count()}")
+    with run_on(Executor(backend, "cuda")):
+        torch.cuda.set_device(0)
+        torch.cuda.synchronize(0)
+        before = torch.cuda.memory_allocated(0)
+        for name, call in _mixed_calls("cuda:1").items():
+            got = call()
+            torch.cuda.synchronize(1)
+            assert torch.cuda.current_device() == 0
+            assert all(t.device == torch.device("cuda:1") for t in got), name
+            expected = _reference_of(name, "cpu")
+            if name == "add_norm_dropout":  # the mask is the backend's own: check the shapes only
+                assert [t.shape for t in got] == [t.shape for t in expected]
+                continue
+            for i, (a, e) in enumerate(zip(got, expected)):
+                assert_close(a.cpu(), e.double(), a.dtype, "bwd" if i else "fwd", f"{name}[{i}]", 64)
+        assert torch.cuda.memory_allocated(0) == before, "memory was allocated on cuda:0"
+        # And on a side stream of cuda:1, made current there.
+        s = torch.cuda.Stream(device=1)
+        with torch.cuda.device(1), torch.cuda.stream(s):
+            x = _randn((64, 4096), torch.float32, device="cuda:1")
+            y = normkit.layer_norm(x, (4096,))
+        s.synchronize()
+        assert_close(y, F.layer_norm(x.double(), (4096,)), torch.float32, "fwd", "y")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("op", ["layer_norm", "softmax", "add_rms_norm", "group_norm", "batch_norm"])
+def test_side_stream_ordering(run_on, backend, op):
+    """On a side stream: a long sleep, then a copy that writes x, then the op. A launch on any other
+    stream would read x before the copy (it holds NaN until then)."""
+    with run_on(Executor(backend, "cuda")):
+        src = _randn((8, 16, 1024), torch.float32)
+        x = torch.full_like(src, float("nan"))
+        torch.cuda.synchronize()
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the copy
+            x.copy_(src)
+            if op == "layer_norm":
+                y = normkit.layer_norm(x, (1024,))
+            elif op == "softmax":
+                y = normkit.softmax(x, -1)
+            elif op == "add_rms_norm":
+                y = normkit.add_rms_norm(x, x, (1024,))
+            elif op == "group_norm":
+                y = normkit.group_norm(x, 4)
+            else:
+                y = normkit.batch_norm(x, None, None, training=True)
+        s.synchronize()
+        assert y.isfinite().all(), "the op ran before the copy on its stream"
+        x64 = src.double()
+        expected = dict(layer_norm=lambda: F.layer_norm(x64, (1024,)), softmax=lambda: F.softmax(x64, -1),
+                        add_rms_norm=lambda: F.rms_norm(2 * x64, (1024,), eps=torch.finfo(torch.float32).eps),
+                        group_norm=lambda: F.group_norm(x64, 4),
+                        batch_norm=lambda: F.batch_norm(x64, None, None, training=True))[op]()  # fmt: skip
+        assert_close(y, expected, torch.float32, "fwd", "y")
+
+
+# --- leaks, caches, threads ----------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ten_thousand_mixed_calls_leave_memory_flat(run_on, backend):
+    with run_on(Executor(backend, "cuda")):
+        calls = list(_mixed_calls("cuda").values())
+        for call in calls:  # warm-up: compiled kernels, cached launch settings, allocator blocks
+            call()
+        torch.cuda.synchronize()
+        gc.collect()
+        before = torch.cuda.memory_allocated()
+        n = 0
+        while n < 10_000:
+            for call in calls:
+                call()
+                n += 1
+        torch.cuda.synchronize()
+        gc.collect()
+        assert torch.cuda.memory_allocated() == before, (
+            f"{n} calls: allocated {torch.cuda.memory_allocated() - before} bytes more than before")
+
+
+def test_launch_config_caches_are_bounded():
+    """Every cache in the backends' launch code has a finite size (the per-device SM / vector-core
+    queries); launch configs themselves are recomputed per call (frozen dataclasses)."""
+    from normkit.backends.cuda import config as cuda_config
+    from normkit.backends.npu import config as npu_config
+
+    cached = [f for module in (cuda_config, npu_config) for f in vars(module).values()
+              if hasattr(f, "cache_info")]  # fmt: skip
+    assert cached, "no cached function found: update this test"
+    for f in cached:
+        assert f.cache_parameters()["maxsize"] is not None, f"{f.__name__} has an unbounded cache"
+    for i in range(200):  # more distinct CPU keys than the cache holds: it stays at its bound
+        cuda_config._sm_count("cpu", i)
+    assert cuda_config._sm_count.cache_info().currsize <= cuda_config._sm_count.cache_parameters()["maxsize"]
+
+
+def _thread_results(device, workers, rounds):
+    """Run every mixed call ``rounds`` times in each of ``workers`` threads at once; -> per thread,
+    the list of results of its last round."""
+    results, errors = {}, []
+    barrier = threading.Barrier(workers)
+    overrides = dispatch.overrides()  # threads start with an empty context: carry the executor's
+
+    def work(i):
+        try:
+            with dispatch.restore(overrides):
+                barrier.wait()
+                for _ in range(rounds):
+                    out = {name: call() for name, call in _mixed_calls(device, seed=i % 2).items()}
+                results[i] = out
+        except Exception as e:  # reported below, with the thread
+            errors.append((i, repr(e)))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    return results
+
+
+def _assert_threads_agree(results, device):
+    """Threads with the same seed got bitwise the same results, and they match a plain run."""
+    for i, out in results.items():
+        twin = results[i % 2]
+        for name in out:
+            for a, b in zip(out[name], twin[name]):
+                assert torch.equal(a, b), f"thread {i}: {name} differs from thread {i % 2}"
+    single = {name: call() for name, call in _mixed_calls(device, seed=0).items()}
+    for name in single:
+        for a, b in zip(single[name], results[0][name]):
+            assert torch.equal(a, b), f"{name}: threaded result differs from a single-threaded run"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_threads_on_the_gpu(run_on, backend):
+    with run_on(Executor(backend, "cuda")):
+        results = _thread_results("cuda", workers=8, rounds=5)
+        torch.cuda.synchronize()
+        _assert_threads_agree(results, "cuda")
+
+
+def test_threads_on_the_cpu():
+    """The front end, dispatch overrides (per-thread contexts), autograd and the launch-config
+    code from 8 threads at once, on the CPU reference backend. (Triton's interpreter itself is not
+    thread-safe: it patches triton.language while a kernel runs, so the interpreter executors are
+    not used here.)"""
+    with dispatch.use_backend("cpu", "normkit.reference"):
+        results = _thread_results("cpu", workers=8, rounds=3)
+        _assert_threads_agree(results, "cpu")
+    from normkit.backends.cuda import config
+
+    errors = []
+
+    def configs(i):
+        try:
+            for m, n in ((1, 1), (3, 7), (1151, 4096), (7, 40999), (2, 1 << 20)):
+                for dt in (torch.bfloat16, torch.float32):
+                    a = config.forward(m + i, n, dt, torch.device("cpu"))
+                    b = config.backward(m + i, n, dt, torch.device("cpu"), bool(i % 2))
+                    assert a == config.forward(m + i, n, dt, torch.device("cpu"))
+                    assert b.grid[0] >= 1
+        except Exception as e:
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=configs, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+def test_backend_overrides_are_per_thread():
+    """A thread's use_backend never leaks into another thread running at the same time."""
+    seen, barrier = {}, threading.Barrier(2)
+
+    def work(name, module):
+        with dispatch.use_backend("cpu", module):
+            barrier.wait()
+            seen[name] = dispatch.backend_name_for("cpu")
+            barrier.wait()
+
+    threads = [threading.Thread(target=work, args=("a", "normkit.reference")),
+               threading.Thread(target=work, args=("b", "normkit.backends.npu"))]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen == {"a": "normkit.reference", "b": "normkit.backends.npu"}
+
+
+# --- determinism -----------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_backward_is_bitwise_reproducible(run_on, backend):
+    """Each op family (dropout path included) twice on the same inputs: every output and gradient
+    bitwise equal. Shapes large enough for multi-program partial sums of dweight / dbias."""
+    with run_on(Executor(backend, "cuda")):
+
+        def calls():
+            g = torch.Generator(device="cuda").manual_seed(0)
+
+            def t(*shape, dtype=torch.bfloat16):
+                return torch.randn(shape, generator=g, device="cuda", dtype=dtype)
+
+            big = dict(x=t(4096, 1024), dy=t(4096, 1024), w=t(1024), b=t(1024), r=t(4096, 1024, dtype=torch.float32))
+            long = dict(x=t(64, 40999), dy=t(64, 40999), w=t(40999))
+            img = dict(x=t(16, 64, 28, 28), dy=t(16, 64, 28, 28), w=t(64), b=t(64))
+            return big, long, img
+
+        def run():
+            big, long, img = calls()
+            out = {}
+
+            def fb(name, fn, dy, **leaves):
+                leaves = {k: v.detach().clone().requires_grad_() for k, v in leaves.items()}
+                y = fn(**leaves)
+                ys = y if isinstance(y, tuple) else (y,)
+                torch.autograd.backward(list(ys), [dy] + [torch.ones_like(v) for v in ys[1:]])
+                out[name] = [v.detach() for v in ys] + [leaves[k].grad for k in sorted(leaves)]
+
+            n = 1024
+            fb("layer_norm", lambda x, w, b: normkit.layer_norm(x, (n,), w, b), big["dy"], x=big["x"], w=big["w"], b=big["b"])
+            fb("rms_norm", lambda x, w: normkit.rms_norm(x, (n,), w), big["dy"], x=big["x"], w=big["w"])
+            fb("layer_norm_long", lambda x, w: normkit.layer_norm(x, (40999,), w, w), long["dy"], x=long["x"], w=long["w"])
+            fb("rms_norm_long", lambda x, w: normkit.rms_norm(x, (40999,), w), long["dy"], x=long["x"], w=long["w"])
+            fb("softmax", lambda x: normkit.softmax(x, -1), big["dy"], x=big["x"])
+            fb("log_softmax_long", lambda x: normkit.log_softmax(x, -1), long["dy"], x=long["x"])
+            for p in (0.0, 0.1):
+                fb(f"add_layer_norm_p{p}", lambda x, r, w, b, p=p: normkit.add_layer_norm(
+                    x, r, (n,), w, b, dropout_p=p, seed=5, prenorm=True), big["dy"],
+                    x=big["x"], r=big["r"], w=big["w"], b=big["b"])  # fmt: skip
+                fb(f"add_rms_norm_p{p}", lambda x, w, p=p: normkit.add_rms_norm(
+                    x, None, (40999,), w, dropout_p=p, seed=5, prenorm=True), long["dy"],
+                    x=long["x"], w=long["w"])  # fmt: skip
+            fb("group_norm", lambda x, w, b: normkit.group_norm(x, 8, w, b), img["dy"], x=img["x"], w=img["w"], b=img["b"])
+            fb("instance_norm", lambda x, w, b: normkit.instance_norm(x, weight=w, bias=b), img["dy"], x=img["x"], w=img["w"], b=img["b"])
+            fb("batch_norm", lambda x, w, b: normkit.batch_norm(x, None, None, w, b, training=True), img["dy"],
+               x=img["x"], w=img["w"], b=img["b"])  # fmt: skip
+            return out
+
+        first, second = run(), run()
+        assert first.keys() == second.keys()
+        for name in first:
+            for i, (a, b) in enumerate(zip(first[name], second[name])):
+                assert a is not None and torch.equal(a, b), f"{name}: output/gradient {i} differs between runs"
+

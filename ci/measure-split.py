@@ -30,6 +30,7 @@ def setting(name):
         chunk, rest = name[3:].split("x")
         warps, cap = rest.split("r")
         config.SPLIT_FWD = (int(chunk), int(warps), int(cap), 256)
+    config.clear_caches()
 
 
 def copy_gbps():

@@ -97,6 +97,26 @@ REDUCE_MAX_BLOCK = 256
 INTERPRETER_SMS = 4
 
 
+# Launch configs are pure functions of (shape, dtype, device): each public chooser below is memoized
+# (bounded, thread-safe lru_cache). A 16 x 4096 LayerNorm forward + backward spent ~12% of its host
+# time choosing configs (cProfile on the H100, docs/perf-notes.md v11). Scripts that change the
+# constants above call clear_caches().
+CACHE_SIZE = 1024
+_CACHED = []
+
+
+def _memoized(fn):
+    cached = functools.lru_cache(maxsize=CACHE_SIZE)(fn)
+    _CACHED.append(cached)
+    return cached
+
+
+def clear_caches() -> None:
+    """Forget memoized launch configs (after changing a threshold constant of this module)."""
+    for fn in _CACHED:
+        fn.cache_clear()
+
+
 @dataclass(frozen=True)
 class LaunchConfig:
     block_size: int  # column tile (BLOCK_N)
@@ -170,6 +190,7 @@ def split_row(M: int, N: int, dtype: torch.dtype, device: torch.device, chunk: i
     return LaunchConfig(chunk, warps, 1, (groups * chunks,), False, chunks, maxnreg)
 
 
+@_memoized
 def forward(M: int, N: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig:
     """Row-norm forward: fused (rows in registers) or looped (one program per row).
 
@@ -182,12 +203,14 @@ def forward(M: int, N: int, dtype: torch.dtype, device: torch.device) -> LaunchC
     return cfg
 
 
+@_memoized
 def softmax(M: int, N: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig:
     """Softmax forward (no cross-row reduction): the row-norm forward's tiling. The fused limit is
     the forward's (a row of x in registers); not yet measured separately for softmax."""
     return forward(M, N, dtype, device)
 
 
+@_memoized
 def softmax_backward(M: int, N: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig:
     """Softmax backward: fused rows of y and dy, else split rows (0.79-0.84 of copy at N = 65536 -
     262144 vs 0.56-0.59 looped, bf16; perf-notes v5), else looped."""
@@ -197,11 +220,13 @@ def softmax_backward(M: int, N: int, dtype: torch.dtype, device: torch.device) -
     return cfg
 
 
+@_memoized
 def row_sweep(M: int, N: int, dtype: torch.dtype) -> LaunchConfig:
     """One program per row looping over column tiles (the looped backward's row statistics)."""
     return _row_sweep(M, N, dtype, fused_max=0)
 
 
+@_memoized
 def backward(M: int, N: int, dtype: torch.dtype, device: torch.device, is_rms: bool) -> LaunchConfig:
     """Row-norm backward.
 
@@ -236,18 +261,21 @@ def backward(M: int, N: int, dtype: torch.dtype, device: torch.device, is_rms: b
 GROUP_NORM_MAX_BLOCK = 4096
 
 
+@_memoized
 def group_norm(rows: int, L: int, dtype: torch.dtype) -> LaunchConfig:
     """GroupNorm forward: one program per (n, g) row of L elements."""
     block = min(GROUP_NORM_MAX_BLOCK, triton.next_power_of_2(L))
     return LaunchConfig(block, _warps(block, dtype), 1, (rows,), block >= L)
 
 
+@_memoized
 def group_norm_backward(rows: int, HW: int, dtype: torch.dtype) -> LaunchConfig:
     """GroupNorm backward: one program per (n, g) row, walking channels in tiles over HW."""
     block = min(GROUP_NORM_MAX_BLOCK, triton.next_power_of_2(HW))
     return LaunchConfig(block, _warps(block, dtype), 1, (rows,), False)
 
 
+@_memoized
 def batch_norm(programs: int, HW: int, dtype: torch.dtype) -> LaunchConfig:
     """BatchNorm: one program per channel (statistics, gradient sums) or per (n, c) row (apply,
     dx), tiles over HW (first choice, not yet measured; speed is issue 4's)."""
@@ -255,6 +283,7 @@ def batch_norm(programs: int, HW: int, dtype: torch.dtype) -> LaunchConfig:
     return LaunchConfig(block, _warps(block, dtype), 1, (programs,), False)
 
 
+@_memoized
 def reduce(G: int, N: int, device: torch.device) -> LaunchConfig:
     """Fixed-order column sum of (G, N) partials: [REDUCE_ROWS, block] tiles, columns spread so
     that about one program runs per SM even for short rows."""

@@ -1,0 +1,91 @@
+"""Host time per normkit call (the few-row / small-image case), beside torch eager.
+
+Run on a GPU: python3 ci/measure-host-time.py [profile]. For each op and a small shape, prints
+microseconds per call issued back to back (forward, and forward + backward), which is host-bound
+when the kernels are this small, and the GPU time of the same call from do_bench. With
+``profile``, a cProfile of 500 normkit layer_norm forward calls (top functions by own time).
+"""
+
+import cProfile
+import pstats
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+import normkit
+
+DEV = "cuda"
+DT = torch.bfloat16
+
+
+def cases():
+    x = torch.randn(16, 4096, device=DEV, dtype=DT, requires_grad=True)
+    r = torch.randn_like(x, requires_grad=True)
+    w = torch.randn(4096, device=DEV, dtype=DT, requires_grad=True)
+    b = torch.randn_like(w, requires_grad=True)
+    img = torch.randn(16, 512, 28, 28, device=DEV, dtype=DT, requires_grad=True)
+    cw = torch.randn(512, device=DEV, dtype=DT, requires_grad=True)
+    cb = torch.randn_like(cw, requires_grad=True)
+    yield "layer_norm 16x4096", lambda ns: ns.layer_norm(x, (4096,), w, b, 1e-5)
+    yield "rms_norm 16x4096", lambda ns: ns.rms_norm(x, (4096,), w, 1e-5)
+    yield "softmax 16x4096", lambda ns: ns.softmax(x, -1)
+    yield "add_rms_norm 16x4096", lambda ns: (normkit.add_rms_norm(x, r, (4096,), w, 1e-5, prenorm=True)[0]
+                                              if ns is normkit else F.rms_norm(x + r, (4096,), w, 1e-5))
+    yield "group_norm 16x512x28x28", lambda ns: ns.group_norm(img, 32, cw, cb, 1e-5)
+    yield "batch_norm 16x512x28x28", lambda ns: ns.batch_norm(img, None, None, cw, cb, True, 0.1, 1e-5)
+
+
+def per_call_us(fn, n=300):
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / n * 1e6
+
+
+def main():
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; us per call (host-bound loop) "
+          f"and GPU us (do_bench)")
+    print(f"{'case':<26} {'normkit fwd':>12} {'torch fwd':>10} {'normkit f+b':>12} {'torch f+b':>10} "
+          f"{'normkit GPU':>12} {'torch GPU':>10}")
+    for name, call in cases():
+        row = []
+        for ns in (normkit, F):
+            with torch.no_grad():
+                row.append(per_call_us(lambda: call(ns)))
+        for ns in (normkit, F):
+            def fwd_bwd():
+                call(ns).float().sum().backward()
+            row.append(per_call_us(fwd_bwd, 100))
+        for ns in (normkit, F):
+            with torch.no_grad():
+                row.append(do_bench(lambda: call(ns), warmup=25, rep=100, return_mode="median") * 1e3)
+        print(f"{name:<26} " + " ".join(f"{v:>11.0f} " for v in row), flush=True)
+    if "profile" in sys.argv[1:]:
+        x = torch.randn(16, 4096, device=DEV, dtype=DT, requires_grad=True)
+        w = torch.randn(4096, device=DEV, dtype=DT, requires_grad=True)
+        b = torch.randn(4096, device=DEV, dtype=DT, requires_grad=True)
+
+        def step():
+            normkit.layer_norm(x, (4096,), w, b).float().sum().backward()
+
+        for _ in range(20):
+            step()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(200):
+            step()
+        prof.disable()
+        print("cProfile of 200 normkit layer_norm forward + backward calls, 16 x 4096 bf16")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(40)
+
+
+if __name__ == "__main__":
+    main()

@@ -161,6 +161,32 @@ class _Wait(torch.autograd.Function):
         return grad
 
 
+class _ToLocal(torch.autograd.Function):
+    """``x.to_local()`` whose gradient is a DTensor with x's own placements, global shape and
+    strides. DTensor's to_local derives the gradient's global strides from the local shard, which
+    for an uneven shard (5 rows over 2 ranks) differ from the leaf's; torch 2.11's AccumulateGrad
+    then copies the gradient into a tensor of the leaf's strides, a Replicate DTensor: an all-gather
+    (H200 x2 run, rms_norm on a Shard(1) input of 5 rows)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.spec = (x.device_mesh, tuple(x.placements), x.shape, x.stride())
+        local = _settled(x.to_local())
+        return local.view_as(local)  # a new tensor object: the shard itself keeps no grad_fn
+
+    @staticmethod
+    def backward(ctx, grad):
+        from torch.distributed.tensor import DTensor
+
+        mesh, placements, shape, stride = ctx.spec
+        return DTensor.from_local(_settled(grad), mesh, placements, run_check=False, shape=shape,
+                                  stride=stride)  # fmt: skip
+
+
+def _localize(x):
+    return _ToLocal.apply(x) if x.requires_grad and torch.is_grad_enabled() else _settled(x.to_local())
+
+
 class _SettleGrad(torch.autograd.Function):
     """Identity whose backward waits for an AsyncCollectiveTensor gradient (the gradient that the
     next layer's redistribution hands back) before the backward kernels read it."""
@@ -235,8 +261,8 @@ def _sharded(op, x, name, bad_dims, accepted, params, fn, others=None):
             got = _placements_text(v.placements) if is_dtensor(v) else f"a plain {type(v).__name__}"
             raise InvalidArgument(f"{op}: {n} is {got}; expected a DTensor with {name}'s placements "
                                   f"{_placements_text(x.placements)} on its mesh")  # fmt: skip
-        local[n] = _settled(v.to_local())
-    return _wrap(fn(_settled(x.to_local()), **local), x)
+        local[n] = _localize(v)
+    return _wrap(fn(_localize(x), **local), x)
 
 
 def _trailing_dims(x, normalized_shape) -> range:

@@ -18,6 +18,7 @@ from normkit.backends.common import (
     batch_norm_channel_stats,
     batch_norm_row_apply,
     batch_norm_row_dx,
+    reciprocal,
 )
 from normkit.backends.cuda import config
 
@@ -84,14 +85,14 @@ def _dx_kernel(
     Sum_dy_xhat,  # (C,)
     C,
     HW,
-    inv_count,  # 1 / (N * HW)
+    count,  # N * HW: values per channel (1 / count is formed here, exact in fp64)
     BLOCK: tl.constexpr,  # one program per (n, c) row
     HAS_W: tl.constexpr,
     TRAINING: tl.constexpr,  # statistics came from this batch (their gradient flows to x)
     ACC: tl.constexpr,
 ):
-    batch_norm_row_dx(X, DY, DX, W, Mean, Rstd, Sum_dy, Sum_dy_xhat, tl.program_id(0), C, HW, inv_count,
-                      BLOCK, HAS_W, TRAINING, ACC)  # fmt: skip
+    batch_norm_row_dx(X, DY, DX, W, Mean, Rstd, Sum_dy, Sum_dy_xhat, tl.program_id(0), C, HW,
+                      reciprocal(count, ACC), BLOCK, HAS_W, TRAINING, ACC)  # fmt: skip
 
 
 def batch_norm_stats(x):
@@ -131,7 +132,7 @@ def batch_norm_bwd(dy, x, weight, mean, rstd, training, bias_dtype):
     cfg = config.batch_norm(N * C, HW, x.dtype)
     _dx_kernel[cfg.grid](
         x, dy, dx, weight if weight is not None else x, mean, rstd, sum_dy, sum_dy_xhat, C, HW,
-        1.0 / (N * HW), BLOCK=cfg.block_size, HAS_W=weight is not None, TRAINING=training,
+        N * HW, BLOCK=cfg.block_size, HAS_W=weight is not None, TRAINING=training,
         ACC=config.tl_acc_dtype(x.dtype), num_warps=cfg.num_warps,
     )  # fmt: skip
     dweight = sum_dy_xhat.to(weight.dtype) if weight is not None else None

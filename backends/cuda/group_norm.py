@@ -13,7 +13,13 @@ import torch
 import triton
 import triton.language as tl
 
-from normkit.backends.common import group_norm_row_bwd, group_norm_row_fwd, reciprocal
+from normkit.backends.common import (
+    eps_tail,
+    exact_eps,
+    group_norm_row_bwd,
+    group_norm_row_fwd,
+    reciprocal,
+)
 from normkit.backends.cuda import config
 from normkit.backends.cuda.reduce import sum_partials
 
@@ -31,12 +37,14 @@ def _fwd_kernel(
     HW,
     Cg,  # channels per group
     eps,
+    eps_lo,  # eps - fp32(eps): fp64 kernels add it back (exact_eps)
     BLOCK: tl.constexpr,  # column tile; one program per (n, g) row
     HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
     ACC: tl.constexpr,
 ):
-    group_norm_row_fwd(X, Y, W, B, Mean, Rstd, tl.program_id(0), G, L, HW, Cg, reciprocal(L, ACC), eps,
+    group_norm_row_fwd(X, Y, W, B, Mean, Rstd, tl.program_id(0), G, L, HW, Cg, reciprocal(L, ACC),
+                       exact_eps(eps, eps_lo, ACC),
                        BLOCK, HAS_W, HAS_B, ACC)  # fmt: skip
 
 
@@ -74,8 +82,9 @@ def group_norm_fwd(x, weight, bias, num_groups, eps):
     rstd = torch.empty_like(mean)
     _fwd_kernel[cfg.grid](
         x, y, weight if weight is not None else x, bias if bias is not None else x, mean, rstd,
-        num_groups, L, HW, C // num_groups, eps, BLOCK=cfg.block_size, HAS_W=weight is not None,
-        HAS_B=bias is not None, ACC=config.tl_acc_dtype(x.dtype), num_warps=cfg.num_warps,
+        num_groups, L, HW, C // num_groups, eps, eps_tail(eps, x.device), BLOCK=cfg.block_size,
+        HAS_W=weight is not None, HAS_B=bias is not None, ACC=config.tl_acc_dtype(x.dtype),
+        num_warps=cfg.num_warps,
     )  # fmt: skip
     return y, mean, rstd
 

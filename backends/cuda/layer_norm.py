@@ -24,7 +24,15 @@ import torch
 import triton
 import triton.language as tl
 
-from normkit.backends.common import chan_merge, normalize, reciprocal, residual_grad, residual_in
+from normkit.backends.common import (
+    chan_merge,
+    eps_tail,
+    exact_eps,
+    normalize,
+    reciprocal,
+    residual_grad,
+    residual_in,
+)
 from normkit.backends.cuda import config, coop
 from normkit.backends.cuda.coop import arrive_and_wait
 from normkit.backends.cuda.reduce import sum_partials
@@ -48,6 +56,7 @@ def _fwd_fused_kernel(
     M,
     N,
     eps,
+    eps_lo,  # eps - fp32(eps): fp64 kernels add it back (exact_eps)
     seed,  # dropout: keep (row, col) where rand(seed, row * N + col) >= p, times scale
     p,
     scale,
@@ -88,7 +97,7 @@ def _fwd_fused_kernel(
         tl.store(Mean + rows[:, None], shift[:, None] + mean_s, mask=row_mask[:, None])
         xc = tl.where(mask, xs - mean_s, 0.0)
     # Two-pass variance over registers: no E[x^2] - E[x]^2 cancellation for large means.
-    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) * reciprocal(N, ACC) + eps)
+    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) * reciprocal(N, ACC) + exact_eps(eps, eps_lo, ACC))
     tl.store(Rstd + rows, rstd, mask=row_mask)
     y = xc * rstd[:, None]
     if HAS_W:
@@ -114,6 +123,7 @@ def _fwd_looped_kernel(
     stride_y,
     N,
     eps,
+    eps_lo,  # eps - fp32(eps): fp64 kernels add it back (exact_eps)
     seed,
     p,
     scale,
@@ -153,7 +163,7 @@ def _fwd_looped_kernel(
             count = tl.cast(tl.minimum(N - start, BLOCK_N), ACC)
             xs = tl.where(mask, x - shift, 0.0)
             mean, m2 = chan_merge(mean, m2, xs, mask, tl.cast(start, ACC), count)
-    rstd = 1.0 / tl.sqrt(m2 * reciprocal(N, ACC) + eps)
+    rstd = 1.0 / tl.sqrt(m2 * reciprocal(N, ACC) + exact_eps(eps, eps_lo, ACC))
     tl.store(Rstd + row, rstd)
     if not IS_RMS:
         tl.store(Mean + row, shift + mean)
@@ -193,6 +203,7 @@ def _fwd_split_kernel(
     N,
     K,  # chunks per row; program pid holds chunk pid % K of the rows of group pid // K
     eps,
+    eps_lo,  # eps - fp32(eps): fp64 kernels add it back (exact_eps)
     seed,
     p,
     scale,
@@ -241,13 +252,13 @@ def _fwd_split_kernel(
         p1 = tl.load(part + ks, mask=ks < K, other=0.0, cache_modifier=".cg")
         if IS_RMS:
             mean = 0.0
-            rstd = 1.0 / tl.sqrt(tl.sum(p1, axis=0) * inv_n + eps)
+            rstd = 1.0 / tl.sqrt(tl.sum(p1, axis=0) * inv_n + exact_eps(eps, eps_lo, ACC))
         else:
             p2 = tl.load(part + KP + ks, mask=ks < K, other=0.0, cache_modifier=".cg")
             mean = tl.sum(p1 * counts, axis=0) * inv_n
             dm = p1 - mean
             m2 = tl.sum(p2, axis=0) + tl.sum(tl.where(ks < K, counts * dm * dm, 0.0), axis=0)
-            rstd = 1.0 / tl.sqrt(m2 * inv_n + eps)
+            rstd = 1.0 / tl.sqrt(m2 * inv_n + exact_eps(eps, eps_lo, ACC))
         if k == 0:
             tl.store(Rstd + row, rstd)
             if not IS_RMS:
@@ -576,15 +587,17 @@ def _forward(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtype=Non
     )  # fmt: skip
     drop = _dropout_args(dropout_p, seed)
     if cfg.fused:
-        _fwd_fused_kernel[cfg.grid](*args, M, N, eps, *drop, ROWS=cfg.rows_per_program,
+        _fwd_fused_kernel[cfg.grid](*args, M, N, eps, eps_tail(eps, x.device), *drop,
+                                    ROWS=cfg.rows_per_program,
                                     BLOCK_N=cfg.block_size, **flags)  # fmt: skip
     elif cfg.split > 1:
         kp = coop.chunks_pow2(cfg.split)
         part, count = coop.workspace(M, 2, kp, rstd.dtype, x.device)
-        _fwd_split_kernel[cfg.grid](*args, part, count, M, N, cfg.split, eps, *drop, CHUNK=cfg.block_size,
-                                    KP=kp, maxnreg=cfg.maxnreg, **flags)  # fmt: skip
+        _fwd_split_kernel[cfg.grid](*args, part, count, M, N, cfg.split, eps, eps_tail(eps, x.device), *drop,
+                                    CHUNK=cfg.block_size, KP=kp, maxnreg=cfg.maxnreg, **flags)  # fmt: skip
     else:
-        _fwd_looped_kernel[cfg.grid](*args, N, eps, *drop, BLOCK_N=cfg.block_size, **flags)
+        _fwd_looped_kernel[cfg.grid](*args, N, eps, eps_tail(eps, x.device), *drop, BLOCK_N=cfg.block_size,
+                                     **flags)  # fmt: skip
     return y, h, mean, rstd
 
 

@@ -58,14 +58,15 @@ def main():
         row = []
         for ns in (normkit, F):
             with torch.no_grad():
-                row.append(per_call_us(lambda: call(ns)))
+                row.append(per_call_us(lambda call=call, ns=ns: call(ns)))
         for ns in (normkit, F):
-            def fwd_bwd():
+            def fwd_bwd(call=call, ns=ns):
                 call(ns).float().sum().backward()
             row.append(per_call_us(fwd_bwd, 100))
         for ns in (normkit, F):
             with torch.no_grad():
-                row.append(do_bench(lambda: call(ns), warmup=25, rep=100, return_mode="median") * 1e3)
+                fn = lambda call=call, ns=ns: call(ns)  # noqa: E731
+                row.append(do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3)
         print(f"{name:<26} " + " ".join(f"{v:>11.0f} " for v in row), flush=True)
     if "profile" in sys.argv[1:]:
         x = torch.randn(16, 4096, device=DEV, dtype=DT, requires_grad=True)

@@ -32,7 +32,8 @@ def main():
                 config.FALLBACK_VECTOR_CORES = grid
                 config._vector_cores.cache_clear()
                 fwd, bwd = bench.measure("npu-kernels-on-cuda", op, m, n, torch.bfloat16)
-                cells.append(f"{fwd_units * size / fwd / 1e6 / copy:.3f} / {bwd_units * size / bwd / 1e6 / copy:.3f}")
+                f, b = fwd_units * size / fwd / 1e6 / copy, bwd_units * size / bwd / 1e6 / copy
+                cells.append(f"{f:.3f} / {b:.3f}")
             print(f"{op:<15} {n:<7} " + "  ".join(f"{c:>18}" for c in cells), flush=True)
 
 

@@ -288,8 +288,10 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
             and num_groups > 0 and input.shape[1] % num_groups == 0
             and input.shape[0] * (input.shape[1] // num_groups) * math.prod(input.shape[2:]) == 1):
         # torch's own check (N * C / G * spatial == 1), message included
-        raise InvalidArgument(f"group_norm: expected more than 1 value per channel when training, "
-                              f"got input shape {list(input.shape)} with num_groups {num_groups}")  # fmt: skip
+        raise InvalidArgument(
+            f"group_norm: expected more than 1 value per channel when training, "
+            f"got input shape {list(input.shape)} with num_groups {num_groups}"
+        )
     return _group_norm("group_norm", input, num_groups, weight, bias, eps)[0]
 
 

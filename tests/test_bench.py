@@ -688,7 +688,8 @@ def test_npu_kernels_on_cuda_only_when_named(monkeypatch):
     for module in ("liger_kernel", "quack", "torch_npu"):
         monkeypatch.setitem(sys.modules, module, None)
     assert "npu-kernels-on-cuda" not in bench._impls(None, "cuda")[0]
-    assert bench._impls(["normkit", "npu-kernels-on-cuda"], "cuda") == (["normkit", "npu-kernels-on-cuda"], {})
+    both = ["normkit", "npu-kernels-on-cuda"]
+    assert bench._impls(both, "cuda") == (both, {})
     with pytest.raises(bench.UsageError, match="npu-kernels-on-cuda: cuda only"):
         bench._impls(["npu-kernels-on-cuda"], "npu")
 

@@ -224,7 +224,8 @@ def check_row_norm(executor, c):
     _compare(dict(y=y, dx=xl.grad, dweight=_grad(wl), dbias=_grad(bl)),
              dict(y=y64, dx=x64.grad, dweight=_grad(w64), dbias=_grad(b64)),
              dict(y="fwd", dx="bwd", dweight="param", dbias="param"),
-             dict(x=dtype, y=dtype, dx=dtype, dweight=c["param_dtype"], dbias=c["param_dtype"]), rows)  # fmt: skip
+             dict(x=dtype, y=dtype, dx=dtype, dweight=c["param_dtype"], dbias=c["param_dtype"]),
+             rows)  # fmt: skip
 
 
 @pytest.mark.parametrize("executor", EXECUTORS)
@@ -355,8 +356,8 @@ def channel_cases(draw, lim: Limits, executor):
     groups = draw(st.sampled_from([1, 2, 3, 4, 8]))
     C = groups * draw(st.sampled_from([1, 2, 3, 5]))
     spatial = tuple(draw(st.lists(st.integers(1, lim.max_spatial), min_size=0, max_size=2)))
-    batch = draw(st.integers(1, max(1, min(8 if lim.max_rows < 100 else 32,
-                                           lim.max_elements // (C * max(1, math.prod(spatial)))))))  # fmt: skip
+    most = lim.max_elements // (C * max(1, math.prod(spatial)))
+    batch = draw(st.integers(1, max(1, min(8 if lim.max_rows < 100 else 32, most))))
     training = op != "batch_norm" or draw(st.booleans())
     if op == "instance_norm" and math.prod(spatial) == 1:
         spatial = spatial + (2,)

@@ -554,7 +554,8 @@ def test_every_backward_is_bitwise_reproducible(run_on, backend):
             def t(*shape, dtype=torch.bfloat16):
                 return torch.randn(shape, generator=g, device="cuda", dtype=dtype)
 
-            big = dict(x=t(4096, 1024), dy=t(4096, 1024), w=t(1024), b=t(1024), r=t(4096, 1024, dtype=torch.float32))
+            big = dict(x=t(4096, 1024), dy=t(4096, 1024), w=t(1024), b=t(1024),
+                       r=t(4096, 1024, dtype=torch.float32))
             long = dict(x=t(64, 40999), dy=t(64, 40999), w=t(40999))
             img = dict(x=t(16, 64, 28, 28), dy=t(16, 64, 28, 28), w=t(64), b=t(64))
             return big, long, img
@@ -571,10 +572,13 @@ def test_every_backward_is_bitwise_reproducible(run_on, backend):
                 out[name] = [v.detach() for v in ys] + [leaves[k].grad for k in sorted(leaves)]
 
             n = 1024
-            fb("layer_norm", lambda x, w, b: normkit.layer_norm(x, (n,), w, b), big["dy"], x=big["x"], w=big["w"], b=big["b"])
+            fb("layer_norm", lambda x, w, b: normkit.layer_norm(x, (n,), w, b), big["dy"],
+               x=big["x"], w=big["w"], b=big["b"])
             fb("rms_norm", lambda x, w: normkit.rms_norm(x, (n,), w), big["dy"], x=big["x"], w=big["w"])
-            fb("layer_norm_long", lambda x, w: normkit.layer_norm(x, (40999,), w, w), long["dy"], x=long["x"], w=long["w"])
-            fb("rms_norm_long", lambda x, w: normkit.rms_norm(x, (40999,), w), long["dy"], x=long["x"], w=long["w"])
+            fb("layer_norm_long", lambda x, w: normkit.layer_norm(x, (40999,), w, w), long["dy"],
+               x=long["x"], w=long["w"])
+            fb("rms_norm_long", lambda x, w: normkit.rms_norm(x, (40999,), w), long["dy"],
+               x=long["x"], w=long["w"])
             fb("softmax", lambda x: normkit.softmax(x, -1), big["dy"], x=big["x"])
             fb("log_softmax_long", lambda x: normkit.log_softmax(x, -1), long["dy"], x=long["x"])
             for p in (0.0, 0.1):
@@ -584,15 +588,18 @@ def test_every_backward_is_bitwise_reproducible(run_on, backend):
                 fb(f"add_rms_norm_p{p}", lambda x, w, p=p: normkit.add_rms_norm(
                     x, None, (40999,), w, dropout_p=p, seed=5, prenorm=True), long["dy"],
                     x=long["x"], w=long["w"])  # fmt: skip
-            fb("group_norm", lambda x, w, b: normkit.group_norm(x, 8, w, b), img["dy"], x=img["x"], w=img["w"], b=img["b"])
-            fb("instance_norm", lambda x, w, b: normkit.instance_norm(x, weight=w, bias=b), img["dy"], x=img["x"], w=img["w"], b=img["b"])
-            fb("batch_norm", lambda x, w, b: normkit.batch_norm(x, None, None, w, b, training=True), img["dy"],
-               x=img["x"], w=img["w"], b=img["b"])  # fmt: skip
+            channels = dict(x=img["x"], w=img["w"], b=img["b"])
+            fb("group_norm", lambda x, w, b: normkit.group_norm(x, 8, w, b), img["dy"], **channels)
+            fb("instance_norm", lambda x, w, b: normkit.instance_norm(x, weight=w, bias=b), img["dy"],
+               **channels)
+            fb("batch_norm", lambda x, w, b: normkit.batch_norm(x, None, None, w, b, training=True),
+               img["dy"], **channels)
             return out
 
         first, second = run(), run()
         assert first.keys() == second.keys()
         for name in first:
             for i, (a, b) in enumerate(zip(first[name], second[name])):
-                assert a is not None and torch.equal(a, b), f"{name}: output/gradient {i} differs between runs"
+                assert a is not None and torch.equal(a, b), (
+                    f"{name}: output/gradient {i} differs between runs")
 

@@ -4,27 +4,13 @@ Only device-neutral math lives here (the common Triton subset both compilers acc
 launch choices stay in each backend's own files.
 """
 
-import struct
-
 import triton
 import triton.language as tl
-
-_FP32_MAX = 3.4028234663852886e38
-
-
-def eps_tail(eps: float, device) -> float:
-    """``eps`` minus ``eps`` rounded to fp32. Triton passes a Python float to a compiled kernel as
-    fp32, so fp64 kernels take eps as (fp32 head, fp32 tail) and add them in fp64 (:func:`exact_eps`);
-    otherwise an fp64 LayerNorm with eps = 0.1 is off by ~1e-9 relative. The interpreter (CPU
-    tensors) passes floats unrounded: tail 0."""
-    if device.type == "cpu" or not abs(eps) < _FP32_MAX:
-        return 0.0
-    return eps - struct.unpack("f", struct.pack("f", eps))[0]
 
 
 @triton.jit
 def exact_eps(eps, eps_tail, ACC: tl.constexpr):
-    """eps in the math dtype from its fp32 head and tail (see :func:`eps_tail`)."""
+    """eps in the math dtype from its fp32 head and tail (the CUDA launchers' ``config.eps_tail``)."""
     if ACC == tl.float64:
         return tl.cast(eps_tail, tl.float64) + eps  # the fp64 tail first: fp32 + fp32 would round
     else:

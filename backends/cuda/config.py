@@ -8,6 +8,7 @@ runs). Speed tuning beyond these first choices is issue 4's work.
 from __future__ import annotations
 
 import functools
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -141,6 +142,19 @@ def sm_count(device: torch.device) -> int:
     if device.type == "cuda" and index is None:
         index = torch.cuda.current_device()
     return _sm_count(device.type, index)
+
+
+_FP32_MAX = 3.4028234663852886e38
+
+
+def eps_tail(eps: float, device: torch.device) -> float:
+    """``eps`` minus ``eps`` rounded to fp32. Triton passes a Python float to a compiled kernel as
+    fp32, so fp64 kernels take eps as (fp32 head, fp32 tail) and add them in fp64
+    (``common.exact_eps``); otherwise an fp64 LayerNorm with eps = 0.1 is off by ~1e-9 relative.
+    The interpreter (CPU tensors) passes floats unrounded: tail 0."""
+    if device.type == "cpu" or not abs(eps) < _FP32_MAX:
+        return 0.0
+    return eps - struct.unpack("f", struct.pack("f", eps))[0]
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:

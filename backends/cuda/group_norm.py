@@ -14,7 +14,6 @@ import triton
 import triton.language as tl
 
 from normkit.backends.common import (
-    eps_tail,
     exact_eps,
     group_norm_row_bwd,
     group_norm_row_fwd,
@@ -82,7 +81,7 @@ def group_norm_fwd(x, weight, bias, num_groups, eps):
     rstd = torch.empty_like(mean)
     _fwd_kernel[cfg.grid](
         x, y, weight if weight is not None else x, bias if bias is not None else x, mean, rstd,
-        num_groups, L, HW, C // num_groups, eps, eps_tail(eps, x.device), BLOCK=cfg.block_size,
+        num_groups, L, HW, C // num_groups, eps, config.eps_tail(eps, x.device), BLOCK=cfg.block_size,
         HAS_W=weight is not None, HAS_B=bias is not None, ACC=config.tl_acc_dtype(x.dtype),
         num_warps=cfg.num_warps,
     )  # fmt: skip

@@ -26,7 +26,6 @@ import triton.language as tl
 
 from normkit.backends.common import (
     chan_merge,
-    eps_tail,
     exact_eps,
     normalize,
     reciprocal,
@@ -586,18 +585,17 @@ def _forward(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtype=Non
         x.stride(0), r.stride(0), hh.stride(0), y.stride(0),
     )  # fmt: skip
     drop = _dropout_args(dropout_p, seed)
+    tail = config.eps_tail(eps, x.device)
     if cfg.fused:
-        _fwd_fused_kernel[cfg.grid](*args, M, N, eps, eps_tail(eps, x.device), *drop,
-                                    ROWS=cfg.rows_per_program,
+        _fwd_fused_kernel[cfg.grid](*args, M, N, eps, tail, *drop, ROWS=cfg.rows_per_program,
                                     BLOCK_N=cfg.block_size, **flags)  # fmt: skip
     elif cfg.split > 1:
         kp = coop.chunks_pow2(cfg.split)
         part, count = coop.workspace(M, 2, kp, rstd.dtype, x.device)
-        _fwd_split_kernel[cfg.grid](*args, part, count, M, N, cfg.split, eps, eps_tail(eps, x.device), *drop,
+        _fwd_split_kernel[cfg.grid](*args, part, count, M, N, cfg.split, eps, tail, *drop,
                                     CHUNK=cfg.block_size, KP=kp, maxnreg=cfg.maxnreg, **flags)  # fmt: skip
     else:
-        _fwd_looped_kernel[cfg.grid](*args, N, eps, eps_tail(eps, x.device), *drop, BLOCK_N=cfg.block_size,
-                                     **flags)  # fmt: skip
+        _fwd_looped_kernel[cfg.grid](*args, N, eps, tail, *drop, BLOCK_N=cfg.block_size, **flags)
     return y, h, mean, rstd
 
 

@@ -604,14 +604,21 @@ def _docs_example() -> str:
 
 
 def test_docs_fsdp_tp_example_runs(report, tmp_path):
-    """The runnable example of docs/distributed.md, under torchrun on 2 ranks (CPU/gloo in CI)."""
-    if report["device"] != "cpu":
-        pytest.skip("the docs example runs once, on CPU (it picks CUDA itself when GPUs are present)")
+    """The runnable example of docs/distributed.md, under torchrun: 2 CPU ranks (gloo) in CI; on CUDA
+    NCCL ranks, 4 (a 2 x 2 dp x tp mesh) when 4 GPUs are present, else 2 (dp = 1, tp = 2)."""
     script = tmp_path / "fsdp_tp_example.py"
     script.write_text(_docs_example())
-    env = {**os.environ, **NO_MULTICAST, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
+    env = {**os.environ, **NO_MULTICAST, "PYTHONPATH": str(ROOT)}
+    if report["device"] == "cpu":
+        nproc, env["CUDA_VISIBLE_DEVICES"] = WORLD, ""
+    else:
+        nproc = 4 if torch.cuda.device_count() >= 4 else WORLD
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                            "--master-port", str(_free_port()), str(script)],
                           capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+    log_dir = os.environ.get("NORMKIT_DIST_LOG")
+    if log_dir:
+        Path(log_dir, f"docs-example-{report['device']}-{nproc}ranks.txt").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert "step 2" in proc.stdout and "normkit" in proc.stdout, proc.stdout
+    mesh = f"mesh {(nproc // 2, 2)}"
+    assert "step 2" in proc.stdout and "normkit" in proc.stdout and mesh in proc.stdout, proc.stdout

@@ -37,7 +37,12 @@ def _check_tensor(op: str, name: str, value, required: bool) -> None:
 
 
 def _normalized_shape(op: str, input: torch.Tensor, normalized_shape, name="input") -> tuple[int, ...]:
-    if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
+    kind = type(normalized_shape)
+    if kind is int:  # the common cases first: exact types, no ABC checks (host time, perf-notes v13)
+        shape = (normalized_shape,)
+    elif kind in (tuple, list, torch.Size) and all(type(d) is int for d in normalized_shape):
+        shape = tuple(normalized_shape)
+    elif isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
         shape = (int(normalized_shape),)
     elif isinstance(normalized_shape, Sequence) and all(
         isinstance(d, numbers.Integral) and not isinstance(d, bool) for d in normalized_shape
@@ -90,6 +95,8 @@ def _check_param_dtypes(op: str, input: torch.Tensor, **params: torch.Tensor | N
 
 
 def _check_eps(op: str, eps) -> float:
+    if type(eps) is float and 0 <= eps < math.inf:  # the common case, without the ABC checks
+        return eps
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
         raise TypeError(f"{op}: eps must be a real number >= 0, got {eps!r}")
     if not (eps >= 0 and math.isfinite(eps)):
@@ -104,6 +111,10 @@ def _backend(op: str, input: torch.Tensor, name="input", **params) -> ModuleType
     if torch.compiler.is_compiling():
         dispatch.check_devices(input, **params)
         return None
+    backend = dispatch.served(input.device)
+    if backend is not None and input.dtype in backend.SUPPORTED_DTYPES:
+        dispatch.check_devices(input, **params)
+        return backend
     table = dispatch.registered()
     if input.device.type not in table:
         raise InvalidArgument(
@@ -120,7 +131,9 @@ def _backend(op: str, input: torch.Tensor, name="input", **params) -> ModuleType
 
 
 def _flat_param(p: torch.Tensor | None) -> torch.Tensor | None:
-    return None if p is None else p.reshape(-1).contiguous()
+    if p is None or (p.dim() == 1 and p.is_contiguous()):  # no view: no extra autograd node
+        return p
+    return p.reshape(-1).contiguous()
 
 
 def _prepare(op, input, normalized_shape, eps, input_name="input", **params):
@@ -131,12 +144,20 @@ def _prepare(op, input, normalized_shape, eps, input_name="input", **params):
         _check_param(op, name, value, shape)
     eps = _check_eps(op, eps)
     backend = _backend(op, input, input_name, **params)
-    m = math.prod(input.shape[: input.dim() - len(shape)])
-    x = ops.unit_stride(input.reshape(m, math.prod(shape)))
+    if input.dim() == 2 and len(shape) == 1:  # already rows: no view, so no extra autograd node
+        x = ops.unit_stride(input)
+    else:
+        m = math.prod(input.shape[: input.dim() - len(shape)])
+        x = ops.unit_stride(input.reshape(m, math.prod(shape)))
     if x.numel() == 0:
         backend = reference  # nothing to launch: plain torch gives the empty results (and zero grads)
     flat = {name: _flat_param(value) for name, value in params.items()}
     return backend, x, flat, eps
+
+
+def _shaped(rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``rows`` viewed in ``like``'s shape (no view when it already has it: no extra autograd node)."""
+    return rows if rows.shape == like.shape else rows.view(like.shape)
 
 
 def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
@@ -146,7 +167,7 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     )
     _check_param_dtypes("layer_norm", input, weight=weight, bias=bias)
     y = ops.layer_norm_fwd(x, p["weight"], p["bias"], eps)[0]
-    return y.view(input.shape)
+    return _shaped(y, input)
 
 
 def rms_norm(input, normalized_shape, weight=None, eps=None):
@@ -158,7 +179,7 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):
         eps = torch.finfo(input.dtype).eps
     _, x, p, eps = _prepare("rms_norm", input, normalized_shape, eps, weight=weight)
     y = ops.rms_norm_fwd(x, p["weight"], eps)[0]
-    return y.view(input.shape)
+    return _shaped(y, input)
 
 
 def _softmax(op: str, input, dim, dtype, log: bool):
@@ -177,6 +198,8 @@ def _softmax(op: str, input, dim, dtype, log: bool):
             f"expected a value in [{-ndim}, {ndim - 1}]"
         )
     _backend(op, input)  # a served device and a supported dtype, or an error
+    if input.dim() == 2 and dim in (-1, 1) and input.numel():  # already rows: no views, no autograd nodes
+        return ops.softmax_fwd(ops.unit_stride(input), log)
     # Rows along `dim`: moving it last costs a transposing copy when dim is not already last.
     moved = input.reshape(1) if input.dim() == 0 else input.movedim(dim, -1)
     rows = moved.reshape(-1, moved.shape[-1]) if moved.numel() else moved.reshape(0, moved.shape[-1])
@@ -226,7 +249,7 @@ def _add_norm(op, x, residual, normalized_shape, weight, bias, eps, dropout_p, s
     r_rows = None if residual is None else ops.unit_stride(residual.reshape(rows.shape))
     y, h = ops.add_norm_fwd(rows, r_rows, p["weight"], p.get("bias"), eps, float(dropout_p), int(seed),
                             h_dtype, is_rms)[:2]  # fmt: skip
-    y, h = y.view(x.shape), h.view(x.shape)
+    y, h = _shaped(y, x), _shaped(h, x)
     return (y, h) if prenorm else y
 
 

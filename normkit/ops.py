@@ -27,7 +27,9 @@ _NONE = (0,)  # shape of the empty tensor that stands for "no such output"
 
 
 def _backend(x: Tensor):
-    return reference if x.numel() == 0 else dispatch.backend_for(x.device)
+    if x.numel() == 0:
+        return reference
+    return dispatch.served(x.device) or dispatch.backend_for(x.device)
 
 
 def _on(device: torch.device):
@@ -41,9 +43,13 @@ def _stat_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _outs(outputs, like: Tensor, inputs) -> tuple[Tensor, ...]:
+def _outs(outputs, like: Tensor, inputs, backend=None) -> tuple[Tensor, ...]:
     """Output tensors: empty for None, and a copy where a backend handed back (a view of) an input
-    or of another output — custom operators may not return aliases."""
+    or of another output — custom operators may not return aliases. A backend that declares
+    ``FRESH_OUTPUTS`` (every output a new allocation, as the CUDA launchers make them) skips the
+    check: it costs ~10 us of host time per call on the H100 host (docs/perf-notes.md v13)."""
+    if getattr(backend, "FRESH_OUTPUTS", False):
+        return tuple(like.new_empty(_NONE) if t is None else t for t in outputs)
     seen = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, Tensor) and t.numel()}
     result = []
     for t in outputs:
@@ -78,8 +84,9 @@ def layer_norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], 
                    ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """(M, N) rows -> (y, mean, rstd)."""
     with _on(x.device):
-        out = _backend(x).layer_norm_fwd(x, weight, bias, eps)
-    return _outs(out, x, (x, weight, bias))
+        backend = _backend(x)
+        out = backend.layer_norm_fwd(x, weight, bias, eps)
+    return _outs(out, x, (x, weight, bias), backend)
 
 
 @layer_norm_fwd.register_fake
@@ -93,8 +100,9 @@ def layer_norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor
                    bias_dtype: Optional[torch.dtype]) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """-> (dx, dweight or empty, dbias or empty)."""
     with _on(x.device):
-        dx, dw, db = _backend(x).layer_norm_bwd(dy, x, weight, mean, rstd, bias_dtype)
-    return _outs((dx, dw, db), x, (dy, x, weight, mean, rstd))
+        backend = _backend(x)
+        out = backend.layer_norm_bwd(dy, x, weight, mean, rstd, bias_dtype)
+    return _outs(out, x, (dy, x, weight, mean, rstd), backend)
 
 
 @layer_norm_bwd.register_fake
@@ -125,8 +133,9 @@ layer_norm_fwd.register_autograd(_layer_norm_backward, setup_context=_layer_norm
 def rms_norm_fwd(x: Tensor, weight: Optional[Tensor], eps: float) -> tuple[Tensor, Tensor]:
     """(M, N) rows -> (y, rstd)."""
     with _on(x.device):
-        out = _backend(x).rms_norm_fwd(x, weight, eps)
-    return _outs(out, x, (x, weight))
+        backend = _backend(x)
+        out = backend.rms_norm_fwd(x, weight, eps)
+    return _outs(out, x, (x, weight), backend)
 
 
 @rms_norm_fwd.register_fake
@@ -138,8 +147,9 @@ def _(x, weight, eps):
 def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Tensor) -> tuple[Tensor, Tensor]:
     """-> (dx, dweight or empty)."""
     with _on(x.device):
-        dx, dw = _backend(x).rms_norm_bwd(dy, x, weight, rstd)
-    return _outs((dx, dw), x, (dy, x, weight, rstd))
+        backend = _backend(x)
+        out = backend.rms_norm_bwd(dy, x, weight, rstd)
+    return _outs(out, x, (dy, x, weight, rstd), backend)
 
 
 @rms_norm_bwd.register_fake
@@ -171,7 +181,8 @@ rms_norm_fwd.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup
 def softmax_fwd(x: Tensor, log: bool) -> Tensor:
     """(M, N) rows -> softmax (log_softmax when ``log``) of each row."""
     with _on(x.device):
-        return _outs((_backend(x).softmax_fwd(x, log),), x, (x,))[0]
+        backend = _backend(x)
+        return _outs((backend.softmax_fwd(x, log),), x, (x,), backend)[0]
 
 
 @softmax_fwd.register_fake
@@ -182,7 +193,8 @@ def _(x, log):
 @custom_op("normkit::softmax_bwd", mutates_args=())
 def softmax_bwd(dy: Tensor, y: Tensor, log: bool) -> Tensor:
     with _on(y.device):
-        return _outs((_backend(y).softmax_bwd(dy, y, log),), y, (dy, y))[0]
+        backend = _backend(y)
+        return _outs((backend.softmax_bwd(dy, y, log),), y, (dy, y), backend)[0]
 
 
 @softmax_bwd.register_fake
@@ -223,7 +235,7 @@ def add_norm_fwd(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor]
     # Statistics in x's math dtype on every backend (the reference would follow h's).
     stat = _stat_dtype(x)
     mean = None if mean is None else mean.to(stat)
-    return _outs((y, h, mean, rstd.to(stat)), x, ins)
+    return _outs((y, h, mean, rstd.to(stat)), x, ins, backend)
 
 
 @add_norm_fwd.register_fake
@@ -247,7 +259,7 @@ def add_norm_bwd(dy: Tensor, dh: Optional[Tensor], h: Tensor, weight: Optional[T
             db = None
         else:
             dx, dres, dw, db = backend.add_layer_norm_bwd(dy, dh, h, weight, mean, rstd, bias_dtype, *drop)
-    return _outs((dx, dres, dw, db), h, (dy, dh, h, weight, mean, rstd))
+    return _outs((dx, dres, dw, db), h, (dy, dh, h, weight, mean, rstd), backend)
 
 
 @add_norm_bwd.register_fake
@@ -287,8 +299,9 @@ def group_norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], 
                    ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """x: (N, C, HW) contiguous -> (y, mean, rstd), statistics per (sample, group): (N * G,)."""
     with _on(x.device):
-        out = _backend(x).group_norm_fwd(x, weight, bias, num_groups, eps)
-    return _outs(out, x, (x, weight, bias))
+        backend = _backend(x)
+        out = backend.group_norm_fwd(x, weight, bias, num_groups, eps)
+    return _outs(out, x, (x, weight, bias), backend)
 
 
 @group_norm_fwd.register_fake
@@ -303,8 +316,9 @@ def group_norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor
                    ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """-> (dx, dweight or empty, dbias or empty)."""
     with _on(x.device):
-        out = _backend(x).group_norm_bwd(dy, x, weight, mean, rstd, num_groups, bias_dtype)
-    return _outs(out, x, (dy, x, weight, mean, rstd))
+        backend = _backend(x)
+        out = backend.group_norm_bwd(dy, x, weight, mean, rstd, num_groups, bias_dtype)
+    return _outs(out, x, (dy, x, weight, mean, rstd), backend)
 
 
 @group_norm_bwd.register_fake
@@ -340,7 +354,8 @@ def batch_norm_stats(x: Tensor) -> tuple[Tensor, Tensor]:
     """x: (N, C, HW) contiguous -> per-channel (mean, biased variance), (C,) each. Not
     differentiable by itself: batch_norm_fwd's backward (training=True) accounts for them."""
     with _on(x.device):
-        return _outs(_backend(x).batch_norm_stats(x), x, (x,))
+        backend = _backend(x)
+        return _outs(backend.batch_norm_stats(x), x, (x,), backend)
 
 
 @batch_norm_stats.register_fake
@@ -354,7 +369,9 @@ def batch_norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], 
                    training: bool) -> Tensor:  # fmt: skip
     """y = (x - mean_c) * rstd_c * weight_c + bias_c; ``training``: mean / rstd are this batch's."""
     with _on(x.device):
-        return _outs((_backend(x).batch_norm_apply(x, weight, bias, mean, rstd),), x, (x, weight, bias))[0]
+        backend = _backend(x)
+        y = backend.batch_norm_apply(x, weight, bias, mean, rstd)
+        return _outs((y,), x, (x, weight, bias), backend)[0]
 
 
 @batch_norm_fwd.register_fake
@@ -368,8 +385,9 @@ def batch_norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor
                    ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """-> (dx, dweight or empty, dbias or empty)."""
     with _on(x.device):
-        out = _backend(x).batch_norm_bwd(dy, x, weight, mean, rstd, training, bias_dtype)
-    return _outs(out, x, (dy, x, weight, mean, rstd))
+        backend = _backend(x)
+        out = backend.batch_norm_bwd(dy, x, weight, mean, rstd, training, bias_dtype)
+    return _outs(out, x, (dy, x, weight, mean, rstd), backend)
 
 
 @batch_norm_bwd.register_fake
@@ -408,10 +426,10 @@ class _Entry:
     about 2x the host time of a small call on CPU (dispatcher boxing and alias checks: 94 vs 53 us
     for a 16 x 64 LayerNorm forward), which is what few-row inference calls are made of."""
 
-    def __init__(self, op, setup=None, backward=None):
+    def __init__(self, op, setup=None, backward=None, stats=()):
         self.op = op
         self.raw = getattr(op, "_init_fn", op)  # the undecorated kernel (falls back to the op)
-        self.function = None if backward is None else _eager_function(self.raw, setup, backward)
+        self.function = None if backward is None else _eager_function(self.raw, setup, backward, stats)
 
     def __call__(self, *args):
         if torch.compiler.is_compiling():
@@ -423,12 +441,17 @@ class _Entry:
         return self.raw(*args)
 
 
-def _eager_function(raw, setup, backward):
+def _eager_function(raw, setup, backward, stats):
+    """``stats``: indices of outputs that carry no gradient (saved statistics), marked
+    non-differentiable so autograd tracks no gradient for them."""
+
     class _Function(torch.autograd.Function):
         @staticmethod
         def forward(ctx, *args):
             out = raw(*args)
             setup(ctx, args, out)
+            if stats:
+                ctx.mark_non_differentiable(*(out[i] for i in stats))
             ctx.eager = True  # the backward calls the raw backward kernels too
             ctx.overrides = dispatch.overrides()  # ... on the backend that served the forward
             return out
@@ -446,6 +469,8 @@ def _bwd(ctx, entry: _Entry):
     of the forward's context (see dispatch.restore); the operator when traced."""
     if not getattr(ctx, "eager", False):
         return entry.op
+    if ctx.overrides is dispatch.overrides():  # same overrides here (usually none): call directly
+        return entry.raw
 
     def run(*args):
         with dispatch.restore(ctx.overrides):
@@ -454,15 +479,15 @@ def _bwd(ctx, entry: _Entry):
     return run
 
 
-layer_norm_fwd = _Entry(layer_norm_fwd, _layer_norm_setup, _layer_norm_backward)
+layer_norm_fwd = _Entry(layer_norm_fwd, _layer_norm_setup, _layer_norm_backward, stats=(1, 2))
 layer_norm_bwd = _Entry(layer_norm_bwd)
-rms_norm_fwd = _Entry(rms_norm_fwd, _rms_norm_setup, _rms_norm_backward)
+rms_norm_fwd = _Entry(rms_norm_fwd, _rms_norm_setup, _rms_norm_backward, stats=(1,))
 rms_norm_bwd = _Entry(rms_norm_bwd)
 softmax_fwd = _Entry(softmax_fwd, _softmax_setup, _softmax_backward)
 softmax_bwd = _Entry(softmax_bwd)
-add_norm_fwd = _Entry(add_norm_fwd, _add_norm_setup, _add_norm_backward)
+add_norm_fwd = _Entry(add_norm_fwd, _add_norm_setup, _add_norm_backward, stats=(2, 3))
 add_norm_bwd = _Entry(add_norm_bwd)
-group_norm_fwd = _Entry(group_norm_fwd, _group_norm_setup, _group_norm_backward)
+group_norm_fwd = _Entry(group_norm_fwd, _group_norm_setup, _group_norm_backward, stats=(1, 2))
 group_norm_bwd = _Entry(group_norm_bwd)
 batch_norm_stats = _Entry(batch_norm_stats)
 batch_norm_fwd = _Entry(batch_norm_fwd, _batch_norm_setup, _batch_norm_backward)

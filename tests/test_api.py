@@ -168,3 +168,59 @@ def test_backward_runs_on_the_forward_backend_from_another_thread(monkeypatch):
     y64 = F.rms_norm(x64, (8,), eps=torch.finfo(torch.float32).eps)
     (expected,) = torch.autograd.grad(y64, x64, dy.double())
     torch.testing.assert_close(x.grad.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("executor", INTERPRETER, ids=lambda e: e.name)
+def test_fresh_outputs_backends_return_no_aliases(executor, run_on):
+    """A backend that declares FRESH_OUTPUTS skips ops._outs's alias check, so every output of every
+    contract function must be a new allocation: no storage shared with an input or another output."""
+    import importlib
+
+    backend = importlib.import_module(executor.module)
+    assert backend.FRESH_OUTPUTS
+    g = torch.Generator().manual_seed(7)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g)
+
+    x, dy, res, w, b = r(6, 40), r(6, 40), r(6, 40), r(40), r(40)
+    img, dimg, cw, cb = r(2, 4, 9), r(2, 4, 9), r(4), r(4)
+    f32 = torch.float32
+    with run_on(executor):
+        calls = {}
+        y, mean, rstd = backend.layer_norm_fwd(x, w, b, 1e-5)
+        calls["layer_norm_fwd"] = ((x, w, b), (y, mean, rstd))
+        calls["layer_norm_bwd"] = ((dy, x, w, mean, rstd), backend.layer_norm_bwd(dy, x, w, mean, rstd, f32))
+        yr, rs = backend.rms_norm_fwd(x, w, 1e-5)
+        calls["rms_norm_fwd"] = ((x, w), (yr, rs))
+        calls["rms_norm_bwd"] = ((dy, x, w, rs), backend.rms_norm_bwd(dy, x, w, rs))
+        ys = backend.softmax_fwd(x, False)
+        calls["softmax_fwd"] = ((x,), (ys,))
+        calls["softmax_bwd"] = ((dy, ys), (backend.softmax_bwd(dy, ys, False),))
+        ya, h, ma, ra = backend.add_layer_norm_fwd(x, res, w, b, 1e-5, 0.1, 3, f32)
+        calls["add_layer_norm_fwd"] = ((x, res, w, b), (ya, h, ma, ra))
+        calls["add_layer_norm_bwd"] = ((dy, dy, h, w, ma, ra), backend.add_layer_norm_bwd(
+            dy, dy, h, w, ma, ra, f32, 0.1, 3, f32, f32))
+        yb, hb, rb = backend.add_rms_norm_fwd(x, res, w, 1e-5, 0.0, 0, f32)
+        calls["add_rms_norm_fwd"] = ((x, res, w), (yb, hb, rb))
+        calls["add_rms_norm_bwd"] = ((dy, None, hb, w, rb), backend.add_rms_norm_bwd(
+            dy, None, hb, w, rb, 0.0, 0, f32, f32))
+        yg, mg, rg = backend.group_norm_fwd(img, cw, cb, 2, 1e-5)
+        calls["group_norm_fwd"] = ((img, cw, cb), (yg, mg, rg))
+        calls["group_norm_bwd"] = ((dimg, img, cw, mg, rg),
+                                   backend.group_norm_bwd(dimg, img, cw, mg, rg, 2, f32))
+        bm, bv = backend.batch_norm_stats(img)
+        calls["batch_norm_stats"] = ((img,), (bm, bv))
+        brs = (bv + 1e-5).rsqrt()
+        calls["batch_norm_apply"] = ((img, cw, cb, bm, brs),
+                                     (backend.batch_norm_apply(img, cw, cb, bm, brs),))
+        calls["batch_norm_bwd"] = ((dimg, img, cw, bm, brs),
+                                   backend.batch_norm_bwd(dimg, img, cw, bm, brs, True, f32))
+    for name, (inputs, outputs) in calls.items():
+        seen = {t.untyped_storage().data_ptr() for t in inputs if t is not None}
+        outs = [t for t in outputs if t is not None and t.numel()]
+        assert outs, name
+        for t in outs:
+            ptr = t.untyped_storage().data_ptr()
+            assert ptr not in seen, f"{backend.NAME}.{name}: an output shares storage with another tensor"
+            seen.add(ptr)

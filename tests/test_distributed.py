@@ -618,7 +618,8 @@ def test_docs_fsdp_tp_example_runs(report, tmp_path):
                           capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
     log_dir = os.environ.get("NORMKIT_DIST_LOG")
     if log_dir:
-        Path(log_dir, f"docs-example-{report['device']}-{nproc}ranks.txt").write_text(proc.stdout + proc.stderr)
+        log = Path(log_dir, f"docs-example-{report['device']}-{nproc}ranks.txt")
+        log.write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     mesh = f"mesh {(nproc // 2, 2)}"
     assert "step 2" in proc.stdout and "normkit" in proc.stdout and mesh in proc.stdout, proc.stdout

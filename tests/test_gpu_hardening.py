@@ -603,3 +603,44 @@ def test_every_backward_is_bitwise_reproducible(run_on, backend):
                 assert a is not None and torch.equal(a, b), (
                     f"{name}: output/gradient {i} differs between runs")
 
+
+
+# --- the direct-launch cache (backends/cuda/launch.py) --------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_direct_launch_never_reuses_another_specialization(run_on, dtype):
+    """Calls alternate between what Triton specializes on (16-byte aligned or misaligned pointers,
+    row strides divisible by 16 or not, M == 1, i32 vs i64 sizes are covered by the 2^31 tests),
+    each after the cache has a kernel for the other; every result matches fp64 torch."""
+    from normkit.backends.cuda import launch
+
+    big = _randn((65, 1040), dtype, seed=1)
+    wbig, bbig = _randn(1041, dtype, seed=2), _randn(1041, dtype, seed=3)
+    views = [
+        ("aligned", big[:64, :1024], wbig[:1024], bbig[:1024]),
+        ("misaligned x, w, b", big[:64, 1:1025], wbig[1:1025], bbig[1:1025]),
+        ("aligned again", big[:64, :1024], wbig[:1024], bbig[:1024]),
+        ("one row", big[:1, :1024], wbig[:1024], bbig[:1024]),
+        ("one row, misaligned", big[1:2, 3:1027], wbig[1:1025], bbig[1:1025]),
+        ("N = 1000", big[:64, :1000], wbig[:1000], bbig[:1000]),
+        ("aligned, last", big[:64, :1024], wbig[:1024], bbig[:1024]),
+    ]
+    with _on_gpu(run_on, "cuda", dtype):
+        for _ in range(2):  # the second round finds every key cached
+            for name, xv, wv, bv in views:
+                n = xv.shape[1]
+                x, w, b = (t.detach().requires_grad_() for t in (xv, wv, bv))  # views: same alignment
+                dy = _randn(x.shape, dtype, seed=4)
+                y = normkit.layer_norm(x, (n,), w, b, 1e-5)
+                grads = torch.autograd.grad(y, (x, w, b), dy)
+                x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
+                y64 = F.layer_norm(x64, (n,), w64, b64, 1e-5)
+                expected = torch.autograd.grad(y64, (x64, w64, b64), dy.double())
+                assert_close(y, y64, dtype, "fwd", f"{name}: y")
+                for g, e, kind, what in zip(grads, expected, ("bwd", "param", "param"), "xwb"):
+                    assert_close(g, e, dtype, kind, f"{name}: d{what}", rows=x.shape[0])
+                s = normkit.softmax(x, -1)
+                assert_close(s, torch.softmax(x64, -1), dtype, "fwd", f"{name}: softmax")
+    assert launch._CACHE, "the launches did not go through backends/cuda/launch.py"

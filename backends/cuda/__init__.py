@@ -21,11 +21,15 @@ from normkit.backends.cuda.layer_norm import (
 from normkit.backends.cuda.softmax import softmax_bwd, softmax_fwd
 
 NAME = "cuda"
+# Every output of every contract function is a new allocation (never an input or a view of one):
+# ops._outs skips its alias check for this backend (tests/test_api.py checks the promise).
+FRESH_OUTPUTS = True
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 __all__ = [
     "NAME",
     "SUPPORTED_DTYPES",
+    "FRESH_OUTPUTS",
     "layer_norm_fwd",
     "layer_norm_bwd",
     "rms_norm_fwd",

@@ -21,6 +21,7 @@ from normkit.backends.common import (
     reciprocal,
 )
 from normkit.backends.cuda import config
+from normkit.backends.cuda.launch import launch
 
 
 @triton.jit
@@ -101,7 +102,7 @@ def batch_norm_stats(x):
     cfg = config.batch_norm(C, HW, x.dtype)
     mean = torch.empty(C, dtype=config.acc_dtype(x.dtype), device=x.device)
     var = torch.empty_like(mean)
-    _stats_kernel[cfg.grid](x, mean, var, N, C, HW, BLOCK=cfg.block_size,
+    launch(_stats_kernel, cfg.grid, x, mean, var, N, C, HW, BLOCK=cfg.block_size,
                             ACC=config.tl_acc_dtype(x.dtype), num_warps=cfg.num_warps)  # fmt: skip
     return mean, var
 
@@ -111,7 +112,7 @@ def batch_norm_apply(x, weight, bias, mean, rstd):
     N, C, HW = x.shape
     cfg = config.batch_norm(N * C, HW, x.dtype)
     y = torch.empty_like(x)
-    _apply_kernel[cfg.grid](
+    launch(_apply_kernel, cfg.grid,
         x, y, weight if weight is not None else x, bias if bias is not None else x, mean, rstd, C, HW,
         BLOCK=cfg.block_size, HAS_W=weight is not None, HAS_B=bias is not None,
         ACC=config.tl_acc_dtype(x.dtype), num_warps=cfg.num_warps,
@@ -126,11 +127,12 @@ def batch_norm_bwd(dy, x, weight, mean, rstd, training, bias_dtype):
     sum_dy = torch.empty(C, dtype=acc, device=x.device)
     sum_dy_xhat = torch.empty_like(sum_dy)
     cfg = config.batch_norm(C, HW, x.dtype)
-    _grad_sums_kernel[cfg.grid](x, dy, mean, rstd, sum_dy, sum_dy_xhat, N, C, HW, BLOCK=cfg.block_size,
+    launch(_grad_sums_kernel, cfg.grid, x, dy, mean, rstd, sum_dy, sum_dy_xhat, N, C, HW,
+           BLOCK=cfg.block_size,
                                 ACC=config.tl_acc_dtype(x.dtype), num_warps=cfg.num_warps)  # fmt: skip
     dx = torch.empty_like(x)
     cfg = config.batch_norm(N * C, HW, x.dtype)
-    _dx_kernel[cfg.grid](
+    launch(_dx_kernel, cfg.grid,
         x, dy, dx, weight if weight is not None else x, mean, rstd, sum_dy, sum_dy_xhat, C, HW,
         N * HW, BLOCK=cfg.block_size, HAS_W=weight is not None, TRAINING=training,
         ACC=config.tl_acc_dtype(x.dtype), num_warps=cfg.num_warps,

@@ -19,8 +19,8 @@ from normkit.backends.common import (
     group_norm_row_fwd,
     reciprocal,
 )
-from normkit.backends.cuda import config
-from normkit.backends.cuda.reduce import sum_partials
+from normkit.backends.cuda import config, reduce
+from normkit.backends.cuda.launch import launch
 
 
 @triton.jit
@@ -79,7 +79,7 @@ def group_norm_fwd(x, weight, bias, num_groups, eps):
     y = torch.empty_like(x)
     mean = torch.empty(N * num_groups, dtype=config.acc_dtype(x.dtype), device=x.device)
     rstd = torch.empty_like(mean)
-    _fwd_kernel[cfg.grid](
+    launch(_fwd_kernel, cfg.grid,
         x, y, weight if weight is not None else x, bias if bias is not None else x, mean, rstd,
         num_groups, L, HW, C // num_groups, eps, config.eps_tail(eps, x.device), BLOCK=cfg.block_size,
         HAS_W=weight is not None, HAS_B=bias is not None, ACC=config.tl_acc_dtype(x.dtype),
@@ -96,13 +96,14 @@ def group_norm_bwd(dy, x, weight, mean, rstd, num_groups, bias_dtype):
     dx = torch.empty_like(x)
     acc = config.acc_dtype(x.dtype)
     has_w, has_db = weight is not None, bias_dtype is not None
-    dw_part = torch.empty((N, C), dtype=acc, device=x.device) if has_w else mean
-    db_part = torch.empty((N, C), dtype=acc, device=x.device) if has_db else mean
-    _bwd_kernel[cfg.grid](
+    grad_dtypes = (weight.dtype if has_w else None, bias_dtype)
+    part_buf, (dw_part, db_part) = reduce.partials(grad_dtypes, N, C, acc, x.device)
+    dw_part = mean if dw_part is None else dw_part  # a placeholder pointer when unused
+    db_part = mean if db_part is None else db_part
+    launch(_bwd_kernel, cfg.grid,
         x, dy, dx, weight if has_w else x, mean, rstd, dw_part, db_part, num_groups, C, L, HW,
         C // num_groups, BLOCK=cfg.block_size, HAS_W=has_w, HAS_DB=has_db,
         ACC=config.tl_acc_dtype(x.dtype), num_warps=cfg.num_warps,
     )  # fmt: skip
-    dweight = sum_partials(dw_part, weight.dtype) if has_w else None
-    dbias = sum_partials(db_part, bias_dtype) if has_db else None
+    dweight, dbias = reduce.sum_partials(part_buf, grad_dtypes)
     return dx, dweight, dbias

@@ -10,7 +10,8 @@ Two shapes of kernel, chosen by ``config.forward`` / ``config.backward`` from th
   row, a statistics sweep (Chan's merge of per-tile mean/M2) then a normalize sweep. Backward: a
   per-row sweep for the two dx reduction terms, then a (row chunk x column tile) grid computing dx
   and the dweight/dbias partials.
-Partials are summed in a fixed order by ``reduce.sum_partials``: deterministic, no atomics.
+Partials are summed in a fixed order by ``reduce.sum_partials`` (dweight and dbias in one launch):
+deterministic, no atomics.
 
 The fused residual path (``add_layer_norm`` / ``add_rms_norm``) runs the same kernels with ``ADD``
 on: the forward forms h = dropout(x) + residual in registers, stores h (the residual stream, in
@@ -32,9 +33,9 @@ from normkit.backends.common import (
     residual_grad,
     residual_in,
 )
-from normkit.backends.cuda import config, coop
+from normkit.backends.cuda import config, coop, reduce
+from normkit.backends.cuda.launch import launch
 from normkit.backends.cuda.coop import arrive_and_wait
-from normkit.backends.cuda.reduce import sum_partials
 from normkit.backends.row_norm_contract import row_norm_contract
 
 
@@ -587,15 +588,15 @@ def _forward(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtype=Non
     drop = _dropout_args(dropout_p, seed)
     tail = config.eps_tail(eps, x.device)
     if cfg.fused:
-        _fwd_fused_kernel[cfg.grid](*args, M, N, eps, tail, *drop, ROWS=cfg.rows_per_program,
+        launch(_fwd_fused_kernel, cfg.grid, *args, M, N, eps, tail, *drop, ROWS=cfg.rows_per_program,
                                     BLOCK_N=cfg.block_size, **flags)  # fmt: skip
     elif cfg.split > 1:
         kp = coop.chunks_pow2(cfg.split)
         part, count = coop.workspace(M, 2, kp, rstd.dtype, x.device)
-        _fwd_split_kernel[cfg.grid](*args, part, count, M, N, cfg.split, eps, tail, *drop,
+        launch(_fwd_split_kernel, cfg.grid, *args, part, count, M, N, cfg.split, eps, tail, *drop,
                                     CHUNK=cfg.block_size, KP=kp, maxnreg=cfg.maxnreg, **flags)  # fmt: skip
     else:
-        _fwd_looped_kernel[cfg.grid](*args, N, eps, tail, *drop, BLOCK_N=cfg.block_size, **flags)
+        launch(_fwd_looped_kernel, cfg.grid, *args, N, eps, tail, *drop, BLOCK_N=cfg.block_size, **flags)
     return y, h, mean, rstd
 
 
@@ -613,9 +614,10 @@ def _backward(dy, x, weight, mean, rstd, bias_dtype, is_rms, dh=None, x_dtype=No
     dx = torch.empty((M, N), dtype=x_dtype or x.dtype, device=x.device)
     dres = torch.empty((M, N), dtype=residual_dtype, device=x.device) if residual_dtype else None
     has_w, has_db = weight is not None, bias_dtype is not None
-    parts = cfg.grid[0] // cfg.split
-    dw_part = torch.empty((parts, N), dtype=acc, device=x.device) if has_w else rstd
-    db_part = torch.empty((parts, N), dtype=acc, device=x.device) if has_db else rstd
+    grad_dtypes = (weight.dtype if has_w else None, bias_dtype)
+    part_buf, (dw_part, db_part) = reduce.partials(grad_dtypes, cfg.grid[0] // cfg.split, N, acc, x.device)
+    dw_part = rstd if dw_part is None else dw_part  # a placeholder pointer when unused
+    db_part = rstd if db_part is None else db_part
     w = weight if has_w else x
     dh_ = dh if dh is not None else dy
     dres_ = dres if dres is not None else dx
@@ -626,14 +628,14 @@ def _backward(dy, x, weight, mean, rstd, bias_dtype, is_rms, dh=None, x_dtype=No
     strides = (x.stride(0), dy.stride(0), dh_.stride(0), dx.stride(0), dres_.stride(0))
     drop = _dropout_args(dropout_p, seed)
     if cfg.fused:
-        _bwd_fused_kernel[cfg.grid](
+        launch(_bwd_fused_kernel, cfg.grid,
             x, dy, dh_, dx, dres_, w, mean, rstd, dw_part, db_part, *strides, M, N, *drop,
             ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size, **flags,
         )  # fmt: skip
     elif cfg.split > 1:
         kp = coop.chunks_pow2(cfg.split)
         part, count = coop.workspace(M, 2, kp, acc, x.device)
-        _bwd_split_kernel[cfg.grid](
+        launch(_bwd_split_kernel, cfg.grid,
             x, dy, dh_, dx, dres_, w, mean, rstd, part, count, dw_part, db_part, *strides, M, N,
             cfg.split, *drop, CHUNK=cfg.block_size, KP=kp, **flags,
         )  # fmt: skip
@@ -641,17 +643,16 @@ def _backward(dy, x, weight, mean, rstd, bias_dtype, is_rms, dh=None, x_dtype=No
         c1 = torch.empty(M, dtype=acc, device=x.device)
         c2 = c1 if is_rms else torch.empty_like(c1)
         sweep = config.row_sweep(M, N, x.dtype)
-        _bwd_row_terms_kernel[sweep.grid](
+        launch(_bwd_row_terms_kernel, sweep.grid,
             x, dy, w, mean, rstd, c1, c2, x.stride(0), dy.stride(0), N,
             BLOCK_N=sweep.block_size, IS_RMS=is_rms, HAS_W=has_w,
             ACC=config.tl_acc_dtype(x.dtype), num_warps=sweep.num_warps,
         )  # fmt: skip
-        _bwd_looped_kernel[cfg.grid](
+        launch(_bwd_looped_kernel, cfg.grid,
             x, dy, dh_, dx, dres_, w, mean, rstd, c1, c2, dw_part, db_part, *strides, M, N,
             cfg.rows_per_program, *drop, BLOCK_N=cfg.block_size, **flags,
         )  # fmt: skip
-    dweight = sum_partials(dw_part, weight.dtype) if has_w else None
-    dbias = sum_partials(db_part, bias_dtype) if has_db else None
+    dweight, dbias = reduce.sum_partials(part_buf, grad_dtypes)
     return dx, dres, dweight, dbias
 
 

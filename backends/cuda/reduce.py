@@ -1,7 +1,9 @@
 """Fixed-order sum of per-program partials: the deterministic second half of dweight/dbias.
 
 Backward kernels write one fp32 row of partial sums per program (no atomics); this kernel adds
-those rows in program order, so the result is bitwise identical run to run.
+those rows in program order, so the result is bitwise identical run to run. dweight's and dbias's
+partials live in one (K, G, N) buffer and are summed by one launch (one launch less per backward:
+~35 us of host time on the H100 host, docs/perf-notes.md v13).
 """
 
 from __future__ import annotations
@@ -11,35 +13,58 @@ import triton
 import triton.language as tl
 
 from normkit.backends.cuda import config
+from normkit.backends.cuda.launch import launch
 
 
 @triton.jit
 def _sum_partials_kernel(
-    P,  # (G, N) partial sums, fp32 (fp64 for fp64 inputs), contiguous
-    Out,  # (N,) result, in the parameter's dtype
+    P,  # (K, G, N) partial sums, fp32 (fp64 for fp64 inputs), contiguous; K = 1 or 2
+    Out0,  # (N,) sum of P[0], in its parameter's dtype
+    Out1,  # (N,) sum of P[1] (unwritten when K == 1)
     G,  # number of partial rows
     N,  # columns
     BLOCK_G: tl.constexpr,  # partial rows loaded per step (summed by a fixed-shape tree)
     BLOCK_N: tl.constexpr,  # columns per program
 ):
+    k = tl.program_id(1)  # which output
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
+    P += k.to(tl.int64) * G * N
     acc = tl.zeros([BLOCK_N], P.dtype.element_ty)
     for g0 in range(0, G, BLOCK_G):
         g = g0 + tl.arange(0, BLOCK_G)
         mask = (g < G)[:, None] & col_mask[None, :]
         tile = tl.load(P + g.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0.0)
         acc += tl.sum(tile, axis=0)
-    tl.store(Out + cols, acc.to(Out.dtype.element_ty), mask=col_mask)
+    if k == 0:
+        tl.store(Out0 + cols, acc.to(Out0.dtype.element_ty), mask=col_mask)
+    else:
+        tl.store(Out1 + cols, acc.to(Out1.dtype.element_ty), mask=col_mask)
 
 
-def sum_partials(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(G, N) partials -> (N,) column sums in ``dtype``, in a fixed order (bitwise reproducible)."""
-    G, N = partials.shape
-    out = torch.empty(N, dtype=dtype, device=partials.device)
-    cfg = config.reduce(G, N, partials.device)
-    _sum_partials_kernel[cfg.grid](
-        partials, out, G, N, BLOCK_G=cfg.rows_per_program, BLOCK_N=cfg.block_size,
+def partials(dtypes, G: int, N: int, acc: torch.dtype, device) -> tuple[torch.Tensor, list]:
+    """One (K, G, N) buffer of partial rows for the K entries of ``dtypes`` that are not None (the
+    parameters that have a gradient), and its (G, N) views in ``dtypes``' order (None elsewhere)."""
+    views, k = [], 0
+    for d in dtypes:
+        views.append(None if d is None else k)
+        k += d is not None
+    buf = torch.empty((max(k, 1), G, N), dtype=acc, device=device)
+    return buf, [None if i is None else buf[i] for i in views]
+
+
+def sum_partials(buf: torch.Tensor, dtypes) -> list:
+    """Column sums of ``buf``'s (G, N) slices (from :func:`partials`), each in its entry of
+    ``dtypes`` (None entries stay None), in a fixed order (bitwise reproducible), by one launch."""
+    wanted = [d for d in dtypes if d is not None]
+    if not wanted:
+        return [None] * len(dtypes)
+    _, G, N = buf.shape
+    outs = [torch.empty(N, dtype=d, device=buf.device) for d in wanted]
+    cfg = config.reduce(G, N, buf.device)
+    launch(_sum_partials_kernel, (cfg.grid[0], len(outs)),
+        buf, outs[0], outs[-1], G, N, BLOCK_G=cfg.rows_per_program, BLOCK_N=cfg.block_size,
         num_warps=cfg.num_warps,
     )  # fmt: skip
-    return out
+    it = iter(outs)
+    return [None if d is None else next(it) for d in dtypes]

@@ -14,6 +14,7 @@ import triton.language as tl
 
 from normkit.backends.common import online_max_sum
 from normkit.backends.cuda import config, coop
+from normkit.backends.cuda.launch import launch
 from normkit.backends.cuda.coop import arrive_and_wait
 
 
@@ -233,15 +234,16 @@ def softmax_fwd(x, log):
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     flags = dict(LOG=log, ACC=config.tl_acc_dtype(x.dtype), num_warps=cfg.num_warps)
     if cfg.fused:
-        _fwd_fused_kernel[cfg.grid](x, y, x.stride(0), y.stride(0), M, N,
+        launch(_fwd_fused_kernel, cfg.grid, x, y, x.stride(0), y.stride(0), M, N,
                                     ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size, **flags)  # fmt: skip
     elif cfg.split > 1:
         kp = coop.chunks_pow2(cfg.split)
         part, count = coop.workspace(M, 2, kp, config.acc_dtype(x.dtype), x.device)
-        _fwd_split_kernel[cfg.grid](x, y, x.stride(0), y.stride(0), part, count, M, N, cfg.split,
+        launch(_fwd_split_kernel, cfg.grid, x, y, x.stride(0), y.stride(0), part, count, M, N, cfg.split,
                                     CHUNK=cfg.block_size, KP=kp, maxnreg=cfg.maxnreg, **flags)  # fmt: skip
     else:
-        _fwd_looped_kernel[cfg.grid](x, y, x.stride(0), y.stride(0), N, BLOCK_N=cfg.block_size, **flags)
+        launch(_fwd_looped_kernel, cfg.grid, x, y, x.stride(0), y.stride(0), N, BLOCK_N=cfg.block_size,
+               **flags)
     return y
 
 
@@ -253,13 +255,13 @@ def softmax_bwd(dy, y, log):
     strides = (dy.stride(0), y.stride(0), dx.stride(0))
     flags = dict(LOG=log, ACC=config.tl_acc_dtype(y.dtype), num_warps=cfg.num_warps)
     if cfg.fused:
-        _bwd_fused_kernel[cfg.grid](dy, y, dx, *strides, M, N,
+        launch(_bwd_fused_kernel, cfg.grid, dy, y, dx, *strides, M, N,
                                     ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size, **flags)  # fmt: skip
     elif cfg.split > 1:
         kp = coop.chunks_pow2(cfg.split)
         part, count = coop.workspace(M, 1, kp, config.acc_dtype(y.dtype), y.device)
-        _bwd_split_kernel[cfg.grid](dy, y, dx, *strides, part, count, M, N, cfg.split,
+        launch(_bwd_split_kernel, cfg.grid, dy, y, dx, *strides, part, count, M, N, cfg.split,
                                     CHUNK=cfg.block_size, KP=kp, **flags)  # fmt: skip
     else:
-        _bwd_looped_kernel[cfg.grid](dy, y, dx, *strides, N, BLOCK_N=cfg.block_size, **flags)
+        launch(_bwd_looped_kernel, cfg.grid, dy, y, dx, *strides, N, BLOCK_N=cfg.block_size, **flags)
     return dx

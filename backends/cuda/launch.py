@@ -1,0 +1,91 @@
+"""Kernel launches with less host time: a compiled kernel is launched directly once Triton has
+compiled (and launched) it for the same specialization.
+
+``fn[grid](*args, **meta)`` costs ~31-34 us of host time on the H100 machine's host, most of it
+Triton's Python: binding and specializing every argument, the cache key string, launch metadata
+(docs/perf-notes.md v13). The backward of a row norm makes 2-3 launches; in ``normkit bench`` that
+host time showed up as GPU idle time in the backward cells. :func:`launch` keys Triton's own
+``CompiledKernel`` by what Triton specializes a kernel on, and calls its launcher directly:
+
+- a tensor: its dtype and whether its address is 16-byte aligned;
+- an int: whether it equals 1, whether it is divisible by 16, and its width (i32, i64, u64);
+- a float: nothing (always fp32); None, a bool or any other value: the value itself;
+- the constexpr / launch keywords (``BLOCK_N=...``, ``num_warps=...``), and the current device.
+
+The first call with a new key goes through ``fn[grid]`` unchanged (compiling if needed), and so do
+all calls under the interpreter (``TRITON_INTERPRET=1``, where kernels are not ``JITFunction``s).
+Triton's launch hooks (profilers; torch installs one) are called with the same metadata as
+``fn[grid]`` gives them.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import triton
+from triton.runtime.jit import JITFunction
+
+_I32 = range(-(2**31), 2**31)
+_CACHE: dict = {}
+CACHE_SIZE = 4096  # compiled kernels remembered (all specializations of all kernels); then cleared
+_TAILS: dict = {}  # (fn, meta keys) -> names and defaults of the parameters after the positional args
+
+
+def _spec(args) -> tuple:
+    out = []
+    for a in args:
+        t = type(a)
+        if t is int:
+            out.append((a == 1, a % 16 == 0, a in _I32, a < 2**63))
+        elif t is float:
+            out.append(float)
+        elif isinstance(a, torch.Tensor):
+            out.append((a.dtype, a.data_ptr() % 16 == 0))
+        else:
+            out.append((t, a))
+    return tuple(out)
+
+
+def _tail(fn, nargs: int, meta: dict) -> tuple:
+    """(name, default) of each kernel parameter after the ``nargs`` positional ones, in order."""
+    key = (fn, nargs, tuple(meta))
+    tail = _TAILS.get(key)
+    if tail is None:
+        params = list(inspect.signature(fn.fn).parameters.values())[nargs:]
+        tail = _TAILS[key] = tuple((p.name, p.default) for p in params)
+    return tail
+
+
+def launch(fn, grid: tuple, *args, **meta) -> None:
+    """``fn[grid](*args, **meta)``, through the compiled kernel when one is cached for these
+    arguments' specialization (see the module doc). Positional ``args`` are the kernel's leading
+    parameters; the others (constexprs) come by keyword or take their defaults."""
+    if not isinstance(fn, JITFunction):
+        fn[grid](*args, **meta)
+        return
+    device = torch.cuda.current_device()
+    key = (fn, device, _spec(args), tuple(meta.items()))
+    kernel = _CACHE.get(key)
+    if kernel is None:
+        kernel = fn[grid](*args, **meta)
+        if len(_CACHE) >= CACHE_SIZE:
+            _CACHE.clear()
+        if all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata")):
+            _CACHE[key] = kernel
+        return
+    full = list(args)
+    for name, default in _tail(fn, len(args), meta):
+        full.append(meta[name] if name in meta else default)
+    g = (*grid, 1, 1)
+    stream = torch._C._cuda_getCurrentRawStream(device)
+    runtime = triton.knobs.runtime  # launch hooks (profilers; torch sets one) are called as Triton does
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    metadata = None if enter is None else kernel.launch_metadata(grid, stream, *full)
+    kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, metadata, enter, leave,
+               *full)
+
+
+def clear_cache() -> None:
+    _CACHE.clear()
+    _TAILS.clear()

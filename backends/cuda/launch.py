@@ -14,8 +14,8 @@ host time showed up as GPU idle time in the backward cells. :func:`launch` keys 
 
 The first call with a new key goes through ``fn[grid]`` unchanged (compiling if needed), and so do
 all calls under the interpreter (``TRITON_INTERPRET=1``, where kernels are not ``JITFunction``s).
-Triton's launch hooks (profilers; torch installs one) are called with the same metadata as
-``fn[grid]`` gives them.
+Triton's launch hooks (profilers) are called with the same metadata as ``fn[grid]`` gives them;
+an empty hook chain (Triton's default) is skipped.
 """
 
 from __future__ import annotations
@@ -57,6 +57,12 @@ def _tail(fn, nargs: int, meta: dict) -> tuple:
     return tail
 
 
+def _active(hook):
+    """``hook``, or None for no hook or an empty ``HookChain`` (Triton's default: it would build
+    launch metadata and be called twice a launch to do nothing)."""
+    return hook if hook is not None and getattr(hook, "calls", True) else None
+
+
 def launch(fn, grid: tuple, *args, **meta) -> None:
     """``fn[grid](*args, **meta)``, through the compiled kernel when one is cached for these
     arguments' specialization (see the module doc). Positional ``args`` are the kernel's leading
@@ -79,13 +85,8 @@ def launch(fn, grid: tuple, *args, **meta) -> None:
         full.append(meta[name] if name in meta else default)
     g = (*grid, 1, 1)
     stream = torch._C._cuda_getCurrentRawStream(device)
-    runtime = triton.knobs.runtime  # launch hooks (profilers; torch sets one) are called as Triton does
-    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
-    metadata = None if enter is None else kernel.launch_metadata(grid, stream, *full)
+    runtime = triton.knobs.runtime  # launch hooks (profilers) are called as Triton calls them
+    enter, leave = _active(runtime.launch_enter_hook), _active(runtime.launch_exit_hook)
+    metadata = None if enter is None and leave is None else kernel.launch_metadata(grid, stream, *full)
     kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, metadata, enter, leave,
                *full)
-
-
-def clear_cache() -> None:
-    _CACHE.clear()
-    _TAILS.clear()

@@ -225,7 +225,8 @@ def check_row_norm(executor, c):
              dict(y=y64, dx=x64.grad, dweight=_grad(w64), dbias=_grad(b64)),
              dict(y="fwd", dx="bwd", dweight="param", dbias="param"),
              dict(x=dtype, y=dtype, dx=dtype, dweight=c["param_dtype"], dbias=c["param_dtype"]),
-             rows)  # fmt: skip
+             rows, condition=_row_condition(x64, c["norm"], eps) if c["op"] == "layer_norm" else 1.0,
+             )  # fmt: skip
 
 
 @pytest.mark.parametrize("executor", EXECUTORS)
@@ -339,7 +340,9 @@ def check_add_norm(executor, c):
              dict(x=dtype, y=dtype, h=h_dtype, dx=dtype, dresidual=c["residual"],
                   dweight=c["param_dtype"], dbias=c["param_dtype"]), rows,
              # fp64 dropout: the kernels' keep-scale 1 / (1 - p) is an fp32 argument (docs/testing.md)
-             tol_as=torch.float32 if dtype == torch.float64 and c["p"] > 0 else None)  # fmt: skip
+             tol_as=torch.float32 if dtype == torch.float64 and c["p"] > 0 else None,
+             condition=_row_condition(ref["h"], norm, eps) if c["op"] == "add_layer_norm" else 1.0,
+             )  # fmt: skip
 
 
 @pytest.mark.parametrize("executor", EXECUTORS)
@@ -393,10 +396,24 @@ def _channel_condition(c, x64, running):
     else:
         groups = c["groups"] if c["op"] == "group_norm" else C
         var = x.reshape(N * groups, -1).var(dim=1, unbiased=False)
+    return _condition(var, x, eps)
+
+
+def _condition(var, x, eps) -> float:
+    """max(1, max rstd * max |x| / 4) from the per-row (per-group) variances ``var`` of ``x``."""
     if var.numel() == 0 or x.numel() == 0:
         return 1.0
-    rstd = (var + eps).rsqrt().max().item()
-    return max(1.0, rstd * x.abs().max().item() / 4.0)
+    rstd = (var.double() + eps).rsqrt().max().item()
+    return max(1.0, rstd * x.detach().double().abs().max().item() / 4.0)
+
+
+def _row_condition(x64, norm, eps) -> float:
+    """:func:`_channel_condition` for LayerNorm rows (RMSNorm has no mean to cancel): rows of few
+    close values (N = 2, or a large mean) lose digits to cancellation in fp32 as groups do. A GPU
+    fuzz example: add_layer_norm fp32, N = 2, rstd 132, dx off by 1.2e-4 (atol 1e-4), the same
+    under the interpreter with the kernels of before and after the host-time changes."""
+    rows = x64.detach().double().reshape(-1, math.prod(norm))
+    return _condition(rows.var(dim=1, unbiased=False), rows, eps)
 
 
 def check_channel(executor, c):

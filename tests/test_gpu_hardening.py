@@ -616,6 +616,7 @@ def test_direct_launch_never_reuses_another_specialization(run_on, dtype):
     each after the cache has a kernel for the other; every result matches fp64 torch."""
     from normkit.backends.cuda import launch
 
+    gpu = _on_gpu(run_on, "cuda", dtype)  # skips here without a GPU
     big = _randn((65, 1040), dtype, seed=1)
     wbig, bbig = _randn(1041, dtype, seed=2), _randn(1041, dtype, seed=3)
     views = [
@@ -627,7 +628,7 @@ def test_direct_launch_never_reuses_another_specialization(run_on, dtype):
         ("N = 1000", big[:64, :1000], wbig[:1000], bbig[:1000]),
         ("aligned, last", big[:64, :1024], wbig[:1024], bbig[:1024]),
     ]
-    with _on_gpu(run_on, "cuda", dtype):
+    with gpu:
         for _ in range(2):  # the second round finds every key cached
             for name, xv, wv, bv in views:
                 n = xv.shape[1]

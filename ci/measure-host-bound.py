@@ -12,13 +12,12 @@ three ways in one process:
   (so none waits on the GPU), median over bursts.
 
 When ``host`` > ``gpu`` + the flush's GPU time, the bench window contains host gaps and ``bench`` is
-slower than ``gpu``. Run on a GPU: python3 ci/measure-host-bound.py [cells] [breakdown] [profile].
+slower than ``gpu``. Run on a GPU: python3 ci/measure-host-bound.py [cells] [breakdown].
 ``breakdown``: host us of each layer of normkit's LayerNorm call path (bf16, 32768 x 4096), from
-the public call down to one kernel launch. ``profile``: a cProfile of normkit's backward.
+the public call down to one kernel launch (a cProfile of the same path: ci/measure-host-time.py
+profile).
 """
 
-import cProfile
-import pstats
 import statistics
 import sys
 import time
@@ -71,8 +70,8 @@ def host_us(fn, reps=15, calls=20):
     return statistics.median(times)
 
 
-def calls(op, n, dtype, impl, m=None):
-    case = bench.Case("sweep", op, dtype, (m or bench.TOTAL // n, n))
+def calls(op, n, dtype, impl):
+    case = bench.Case("sweep", op, dtype, (bench.TOTAL // n, n))
     inp = bench.make_inputs(case, "cuda")
     call = bench.forward_fn(impl, op)
     fwd = lambda: call(inp)  # noqa: E731
@@ -105,7 +104,8 @@ def breakdown():
     out = torch.empty_like(xd)
     launch_args = (xd, xd, out, out, wd, bd, mean, rstd, N, N, N, N, M, N, 1e-5, 0.0, 0, 0.0, 1.0)
     launch_kw = dict(ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size, IS_RMS=False, HAS_W=True, HAS_B=True,
-                     ADD=False, HAS_R=False, DROPOUT=False, ACC=tl_acc(dt), num_warps=cfg.num_warps)
+                     ADD=False, HAS_R=False, DROPOUT=False, ACC=config.tl_acc_dtype(dt),
+                     num_warps=cfg.num_warps)
     parts = torch.randn(2, 264, N, device="cuda")
 
     class Identity(torch.autograd.Function):
@@ -155,16 +155,11 @@ def enter_exit(ctx):
         pass
 
 
-def tl_acc(dtype):
-    from normkit.backends.cuda import config
-    return config.tl_acc_dtype(dtype)
-
-
 def main():
     args = sys.argv[1:] or ["cells"]
     if "breakdown" in args:
         breakdown()
-    if "cells" not in args and "profile" not in args:
+    if "cells" not in args:
         return
     copy = bench.copy_gbps("cuda")
     flush = torch.empty(bench.FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
@@ -174,7 +169,7 @@ def main():
     print("fraction of copy as the bench times it / GPU time only; host us per call")
     print(f"{'cell':<28} {'impl':<8} {'fwd bench':>9} {'fwd gpu':>8} {'fwd host':>9} "
           f"{'bwd bench':>9} {'bwd gpu':>8} {'bwd host':>9} {'bwd gpu us':>10}")
-    for op, n, dtype in CELLS if "cells" in args else ():
+    for op, n, dtype in CELLS:
         for impl in IMPLS:
             case, fwd, bwd = calls(op, n, dtype, impl)
             fb, bb = case.bytes()
@@ -185,17 +180,6 @@ def main():
                 res += [nbytes / t_bench / 1e6 / copy, nbytes / t_gpu / 1e6 / copy, host_us(fn), t_gpu * 1e3]
             print(f"{op + ' ' + str(n) + ' ' + dtype:<28} {impl:<8} {res[0]:>9.2f} {res[1]:>8.2f} "
                   f"{res[2]:>9.0f} {res[4]:>9.2f} {res[5]:>8.2f} {res[6]:>9.0f} {res[7]:>10.0f}", flush=True)
-    if "profile" in args:
-        _, _, bwd = calls("layer_norm", 4096, "bfloat16", "normkit", m=64)  # host path of the sweep's
-        for _ in range(20):
-            bwd()
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(300):
-            bwd()
-        prof.disable()
-        torch.cuda.synchronize()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":

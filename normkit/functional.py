@@ -198,14 +198,16 @@ def _softmax(op: str, input, dim, dtype, log: bool):
             f"expected a value in [{-ndim}, {ndim - 1}]"
         )
     _backend(op, input)  # a served device and a supported dtype, or an error
-    if input.dim() == 2 and dim in (-1, 1) and input.numel():  # already rows: no views, no autograd nodes
-        return ops.softmax_fwd(ops.unit_stride(input), log)
-    # Rows along `dim`: moving it last costs a transposing copy when dim is not already last.
-    moved = input.reshape(1) if input.dim() == 0 else input.movedim(dim, -1)
-    rows = moved.reshape(-1, moved.shape[-1]) if moved.numel() else moved.reshape(0, moved.shape[-1])
-    y = ops.softmax_fwd(ops.unit_stride(rows), log)
-    y = y.view(moved.shape)
-    return y.reshape(()) if input.dim() == 0 else y.movedim(-1, dim)
+    # Rows along `dim`: moving it last costs a transposing copy when dim is not already last. No
+    # view is taken where none is needed (each view is an extra autograd node on both passes).
+    last = input.dim() > 0 and dim % input.dim() == input.dim() - 1
+    moved = input.reshape(1) if input.dim() == 0 else input if last else input.movedim(dim, -1)
+    if moved.dim() == 2 and moved.numel():
+        rows = moved
+    else:
+        rows = moved.reshape(-1, moved.shape[-1]) if moved.numel() else moved.reshape(0, moved.shape[-1])
+    y = _shaped(ops.softmax_fwd(ops.unit_stride(rows), log), moved)
+    return y.reshape(()) if input.dim() == 0 else y if last else y.movedim(-1, dim)
 
 
 def softmax(input, dim=-1, dtype=None):

@@ -27,9 +27,7 @@ _NONE = (0,)  # shape of the empty tensor that stands for "no such output"
 
 
 def _backend(x: Tensor):
-    if x.numel() == 0:
-        return reference
-    return dispatch.served(x.device) or dispatch.backend_for(x.device)
+    return reference if x.numel() == 0 else dispatch.backend_for(x.device)
 
 
 def _on(device: torch.device):

@@ -45,12 +45,9 @@ def _sum_partials_kernel(
 def partials(dtypes, G: int, N: int, acc: torch.dtype, device) -> tuple[torch.Tensor, list]:
     """One (K, G, N) buffer of partial rows for the K entries of ``dtypes`` that are not None (the
     parameters that have a gradient), and its (G, N) views in ``dtypes``' order (None elsewhere)."""
-    views, k = [], 0
-    for d in dtypes:
-        views.append(None if d is None else k)
-        k += d is not None
-    buf = torch.empty((max(k, 1), G, N), dtype=acc, device=device)
-    return buf, [None if i is None else buf[i] for i in views]
+    buf = torch.empty((max(1, sum(d is not None for d in dtypes)), G, N), dtype=acc, device=device)
+    slices = iter(buf)
+    return buf, [None if d is None else next(slices) for d in dtypes]
 
 
 def sum_partials(buf: torch.Tensor, dtypes) -> list:

@@ -12,7 +12,8 @@ three ways in one process:
   (so none waits on the GPU), median over bursts.
 
 When ``host`` > ``gpu`` + the flush's GPU time, the bench window contains host gaps and ``bench`` is
-slower than ``gpu``. Run on a GPU: python3 ci/measure-host-bound.py [cells] [breakdown].
+slower than ``gpu``. Run on a GPU: python3 ci/measure-host-bound.py [cells] [image] [breakdown]
+(``image``: the image suite's GroupNorm / BatchNorm cells, bf16, instead of ``CELLS``).
 ``breakdown``: host us of each layer of normkit's LayerNorm call path (bf16, 32768 x 4096), from
 the public call down to one kernel launch (a cProfile of the same path: ci/measure-host-time.py
 profile).
@@ -70,8 +71,8 @@ def host_us(fn, reps=15, calls=20):
     return statistics.median(times)
 
 
-def calls(op, n, dtype, impl):
-    case = bench.Case("sweep", op, dtype, (bench.TOTAL // n, n))
+def calls(case, impl):
+    op = case.op
     inp = bench.make_inputs(case, "cuda")
     call = bench.forward_fn(impl, op)
     fwd = lambda: call(inp)  # noqa: E731
@@ -157,6 +158,8 @@ def enter_exit(ctx):
 
 def main():
     args = sys.argv[1:] or ["cells"]
+    if "image" in args:
+        args.append("cells")
     if "breakdown" in args:
         breakdown()
     if "cells" not in args:
@@ -169,16 +172,20 @@ def main():
     print("fraction of copy as the bench times it / GPU time only; host us per call")
     print(f"{'cell':<28} {'impl':<8} {'fwd bench':>9} {'fwd gpu':>8} {'fwd host':>9} "
           f"{'bwd bench':>9} {'bwd gpu':>8} {'bwd host':>9} {'bwd gpu us':>10}")
-    for op, n, dtype in CELLS:
+    cases = [bench.Case("sweep", op, dtype, (bench.TOTAL // n, n)) for op, n, dtype in CELLS]
+    if "image" in args:  # the image suite's cells (bf16) instead
+        cases = [bench.Case("image", op, "bfloat16", s) for op in bench.IMAGE_OPS for s in bench.IMAGE_SHAPES]
+    for case in cases:
         for impl in IMPLS:
-            case, fwd, bwd = calls(op, n, dtype, impl)
+            case, fwd, bwd = calls(case, impl)
             fb, bb = case.bytes()
             res = []
             for fn, nbytes in ((fwd, fb), (bwd, bb)):
                 t_bench = do_bench(fn, warmup=25, rep=100, return_mode="median")
                 t_gpu = gpu_ms(fn)
                 res += [nbytes / t_bench / 1e6 / copy, nbytes / t_gpu / 1e6 / copy, host_us(fn), t_gpu * 1e3]
-            print(f"{op + ' ' + str(n) + ' ' + dtype:<28} {impl:<8} {res[0]:>9.2f} {res[1]:>8.2f} "
+            name = f"{case.op} {case.label} {case.dtype}"
+            print(f"{name:<28} {impl:<8} {res[0]:>9.2f} {res[1]:>8.2f} "
                   f"{res[2]:>9.0f} {res[4]:>9.2f} {res[5]:>8.2f} {res[6]:>9.0f} {res[7]:>10.0f}", flush=True)
 
 

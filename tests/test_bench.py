@@ -93,7 +93,7 @@ def test_default_plan_covers_every_suite():
     assert {c.op for c in by_suite["image"]} == {"group_norm", "batch_norm"}
     assert {c.shape[0] for c in by_suite["dim0"]} == {1024, 4096, 32768}
     assert {c.dtype for c in cases} == {"float16", "bfloat16", "float32"}
-    assert len(cases) == 3 * (6 * 9 + 6 * 4 + 6 * 6 + 2 * 3 + 2 * 3)
+    assert len(cases) == 3 * (6 * 9 + 6 * 4 + 6 * 6 + 2 * len(bench.IMAGE_SHAPES) + 2 * 3)
 
 
 def test_quick_is_a_small_bf16_subset_of_each_suite():
@@ -139,8 +139,8 @@ def test_shards_cover_the_plan_once():
 
 def test_list_needs_no_gpu(capsys):
     assert cli.main(["bench", "--quick", "--list", "--suite", "image"]) == 0
-    assert capsys.readouterr().out.split() == ["image", "group_norm", "bfloat16", "32x256x56x56",
-                                               "image", "batch_norm", "bfloat16", "32x256x56x56"]
+    assert capsys.readouterr().out.split() == ["image", "group_norm", "bfloat16", "128x256x56x56",
+                                               "image", "batch_norm", "bfloat16", "128x256x56x56"]
 
 
 def test_no_case_selected_exits_2(capsys):

@@ -9,10 +9,13 @@ import normkit
 from normkit.testing import check_group_norm_case
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
-# (shape, groups): image shapes, one group per channel, HW = 1, rows longer than a tile, odd sizes.
+# (shape, groups): image shapes, one group per channel, HW = 1, odd sizes, groups of more channels
+# than one backward tile holds (CUDA: 16 x 1024), rows longer than the fused forward (L > 32768).
 DEVICE_CASES = [((16, 64, 28, 28), 32), ((4, 32, 7, 7), 8), ((2, 16, 128, 128), 4), ((8, 512), 32),
-                ((3, 6, 5, 5), 3), ((2, 12, 33), 12), ((1, 4, 1025), 2)]  # fmt: skip
-INTERPRETER_CASES = [((2, 6, 5, 5), 3), ((1, 4, 33), 2), ((3, 8), 4), ((2, 4, 40, 40), 2)]
+                ((3, 6, 5, 5), 3), ((2, 12, 33), 12), ((1, 4, 1025), 2), ((2, 64, 32, 32), 4),
+                ((2, 4, 96, 96), 1)]  # fmt: skip
+INTERPRETER_CASES = [((2, 6, 5, 5), 3), ((1, 4, 33), 2), ((3, 8), 4), ((2, 4, 40, 40), 2),
+                     ((1, 16, 1024), 2), ((1, 2, 16400), 1)]  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

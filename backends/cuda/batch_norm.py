@@ -1,10 +1,13 @@
 """BatchNorm on NVIDIA GPUs (training and eval): kernels, then launchers.
 
 A column reduction, unlike the row norms: channel c's statistics run over N samples x HW of a
-contiguous (N, C, HW) input. One program per channel walks its samples in order (Chan merging of
-tiles: deterministic, exact for large means); one program per (n, c) row applies the per-channel
-scale and shift. The backward mirrors it: per-channel sums of dy and dy * xhat (= dbias, dweight),
-then dx per row. Running statistics are updated by the front end. Bodies: backends/common.py.
+contiguous (N, C, HW) input. Each channel's samples are cut into ``parts`` slices
+(``config.batch_norm_sums``) so that the whole GPU works on a few hundred channels: program
+(slice, channel) walks [samples, HW] tiles and writes partial statistics (Chan merging of tiles of
+x - x[0, c, 0]: exact for large means); a small kernel merges the slices in a fixed order
+(bitwise reproducible). The apply and dx kernels are elementwise over [rows, HW] tiles of the
+(N * C, HW) rows. The backward's per-channel sums of dy and dy * xhat (= dbias, dweight) are
+partial rows summed by ``reduce.sum_partials``. Running statistics are updated by the front end.
 """
 
 from __future__ import annotations
@@ -13,29 +16,103 @@ import torch
 import triton
 import triton.language as tl
 
-from normkit.backends.common import (
-    batch_norm_channel_grad_sums,
-    batch_norm_channel_stats,
-    batch_norm_row_apply,
-    batch_norm_row_dx,
-    reciprocal,
-)
-from normkit.backends.cuda import config
+from normkit.backends.common import reciprocal
+from normkit.backends.cuda import config, reduce
 from normkit.backends.cuda.launch import launch
 
 
 @triton.jit
-def _stats_kernel(
+def _slice_tile(s, rs, hs, N, C, HW, c, SAMPLES, RB: tl.constexpr, HWB: tl.constexpr):
+    """Offsets and mask of the [RB samples, HWB columns] tile of channel ``c`` at sample
+    ``s * SAMPLES + rs`` (within slice s) and column ``hs``."""
+    n = s * SAMPLES + rs + tl.arange(0, RB)
+    hw = hs + tl.arange(0, HWB)
+    mask = ((n < N) & (n < (s + 1) * SAMPLES))[:, None] & (hw < HW)[None, :]
+    at = (n.to(tl.int64) * C + c)[:, None] * HW + hw[None, :]
+    return at, mask
+
+
+@triton.jit
+def _stats_part_kernel(
     X,  # (N, C, HW) contiguous input
+    Mean_part,  # (parts, C) out, ACC: mean of x - x[0, c, 0] over slice s of channel c
+    M2_part,  # (parts, C) out, ACC: sum of squared deviations from that mean
+    N,
+    C,
+    HW,
+    SAMPLES,  # samples per slice; program p = s * C + c
+    RB: tl.constexpr,  # samples per tile
+    HWB: tl.constexpr,  # columns per tile
+    ACC: tl.constexpr,
+):
+    p = tl.program_id(0)
+    s = p // C
+    c = p % C
+    shift = tl.load(X + c.to(tl.int64) * HW).to(ACC)
+    mean = tl.zeros((), ACC)
+    m2 = tl.zeros((), ACC)
+    seen = tl.zeros((), ACC)
+    rows = tl.minimum(SAMPLES, N - s * SAMPLES)
+    for rs in range(0, rows, RB):
+        n_valid = tl.minimum(RB, rows - rs)
+        for hs in range(0, HW, HWB):
+            at, mask = _slice_tile(s, rs, hs, N, C, HW, c, SAMPLES, RB, HWB)
+            xs = tl.where(mask, tl.load(X + at, mask=mask, other=0.0).to(ACC) - shift, 0.0)
+            count = tl.cast(n_valid * tl.minimum(HWB, HW - hs), ACC)
+            tile_mean = tl.sum(tl.sum(xs, axis=1), axis=0) / count
+            d = tl.where(mask, xs - tile_mean, 0.0)
+            delta = tile_mean - mean
+            total = seen + count
+            mean = mean + delta * (count / total)
+            m2 = m2 + tl.sum(tl.sum(d * d, axis=1), axis=0) + delta * delta * (seen * count / total)
+            seen = total
+    tl.store(Mean_part + p, mean)
+    tl.store(M2_part + p, m2)
+
+
+@triton.jit
+def _stats_merge_kernel(
+    X,  # (N, C, HW) input (for each channel's shift x[0, c, 0])
+    Mean_part,  # (parts, C) from _stats_part_kernel
+    M2_part,  # (parts, C)
     Mean,  # (C,) out, ACC
     Var,  # (C,) out, ACC: biased variance
     N,
     C,
     HW,
-    BLOCK: tl.constexpr,  # tile over HW; one program per channel
+    SAMPLES,
+    parts,
+    BLOCK: tl.constexpr,  # channels per program
     ACC: tl.constexpr,
 ):
-    batch_norm_channel_stats(X, Mean, Var, tl.program_id(0), N, C, HW, BLOCK, ACC)
+    c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    cm = c < C
+    mean = tl.zeros([BLOCK], ACC)
+    m2 = tl.zeros([BLOCK], ACC)
+    seen = tl.zeros((), ACC)
+    for s in range(0, parts):  # slices in order: bitwise reproducible
+        count = tl.cast(tl.minimum(SAMPLES, N - s * SAMPLES) * HW, ACC)
+        pm = tl.load(Mean_part + s * C + c, mask=cm, other=0.0)
+        pm2 = tl.load(M2_part + s * C + c, mask=cm, other=0.0)
+        delta = pm - mean
+        total = seen + count
+        mean = mean + delta * (count / total)
+        m2 = m2 + pm2 + delta * delta * (seen * count / total)
+        seen = total
+    shift = tl.load(X + c.to(tl.int64) * HW, mask=cm, other=0.0).to(ACC)
+    tl.store(Mean + c, shift + mean, mask=cm)
+    tl.store(Var + c, m2 / seen, mask=cm)
+
+
+@triton.jit
+def _row_tile(t, rows, HW, C, RB: tl.constexpr, HWB: tl.constexpr):
+    """Tile ``t`` of the (rows = N * C, HW) view: offsets, mask, and each tile row's channel."""
+    col_tiles = tl.cdiv(HW, HWB)
+    r = (t // col_tiles) * RB + tl.arange(0, RB)
+    hw = (t % col_tiles) * HWB + tl.arange(0, HWB)
+    row_mask = r < rows
+    mask = row_mask[:, None] & (hw < HW)[None, :]
+    return r.to(tl.int64)[:, None] * HW + hw[None, :], mask, r % C, row_mask
 
 
 @triton.jit
@@ -46,32 +123,59 @@ def _apply_kernel(
     B,  # (C,) bias (unread unless HAS_B)
     Mean,  # (C,) batch or running mean
     Rstd,  # (C,) 1 / sqrt(var + eps)
+    rows,  # N * C
     C,
     HW,
-    BLOCK: tl.constexpr,  # tile over HW; one program per (n, c) row
+    RB: tl.constexpr,  # rows per tile; one program per [RB, HWB] tile
+    HWB: tl.constexpr,
     HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
     ACC: tl.constexpr,
 ):
-    batch_norm_row_apply(X, Y, W, B, Mean, Rstd, tl.program_id(0), C, HW, BLOCK, HAS_W, HAS_B, ACC)
+    at, mask, c, row_mask = _row_tile(tl.program_id(0), rows, HW, C, RB, HWB)
+    scale = tl.load(Rstd + c, mask=row_mask, other=0.0).to(ACC)
+    if HAS_W:
+        scale = scale * tl.load(W + c, mask=row_mask, other=0.0).to(ACC)
+    shift = -tl.load(Mean + c, mask=row_mask, other=0.0).to(ACC) * scale
+    if HAS_B:
+        shift = shift + tl.load(B + c, mask=row_mask, other=0.0).to(ACC)
+    x = tl.load(X + at, mask=mask, other=0.0).to(ACC)
+    tl.store(Y + at, (x * scale[:, None] + shift[:, None]).to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _grad_sums_kernel(
+def _grad_sums_part_kernel(
     X,  # (N, C, HW) forward input
     DY,  # (N, C, HW) output gradient, contiguous
     Mean,  # (C,)
     Rstd,  # (C,)
-    Sum_dy,  # (C,) out, ACC
-    Sum_dy_xhat,  # (C,) out, ACC
+    Sum_dy_xhat_part,  # (parts, C) out, ACC
+    Sum_dy_part,  # (parts, C) out, ACC
     N,
     C,
     HW,
-    BLOCK: tl.constexpr,  # one program per channel
+    SAMPLES,  # samples per slice; program p = s * C + c
+    RB: tl.constexpr,
+    HWB: tl.constexpr,
     ACC: tl.constexpr,
 ):
-    batch_norm_channel_grad_sums(X, DY, Mean, Rstd, Sum_dy, Sum_dy_xhat, tl.program_id(0), N, C, HW,
-                                 BLOCK, ACC)  # fmt: skip
+    p = tl.program_id(0)
+    s = p // C
+    c = p % C
+    mean = tl.load(Mean + c).to(ACC)
+    rstd = tl.load(Rstd + c).to(ACC)
+    s_dy = tl.zeros([RB], ACC)
+    s_dyx = tl.zeros([RB], ACC)
+    rows = tl.minimum(SAMPLES, N - s * SAMPLES)
+    for rs in range(0, rows, RB):
+        for hs in range(0, HW, HWB):
+            at, mask = _slice_tile(s, rs, hs, N, C, HW, c, SAMPLES, RB, HWB)
+            x = tl.load(X + at, mask=mask, other=0.0).to(ACC)
+            dy = tl.load(DY + at, mask=mask, other=0.0).to(ACC)
+            s_dy += tl.sum(dy, axis=1)
+            s_dyx += tl.sum(tl.where(mask, (x - mean) * rstd, 0.0) * dy, axis=1)
+    tl.store(Sum_dy_xhat_part + p, tl.sum(s_dyx, axis=0))
+    tl.store(Sum_dy_part + p, tl.sum(s_dy, axis=0))
 
 
 @triton.jit
@@ -82,39 +186,59 @@ def _dx_kernel(
     W,  # (C,) weight (unread unless HAS_W)
     Mean,  # (C,)
     Rstd,  # (C,)
-    Sum_dy,  # (C,) from _grad_sums_kernel
-    Sum_dy_xhat,  # (C,)
+    Sum_dy_xhat,  # (C,) ACC, from the partial sums
+    Sum_dy,  # (C,) ACC
+    rows,  # N * C
     C,
     HW,
     count,  # N * HW: values per channel (1 / count is formed here, exact in fp64)
-    BLOCK: tl.constexpr,  # one program per (n, c) row
+    RB: tl.constexpr,  # rows per tile; one program per [RB, HWB] tile
+    HWB: tl.constexpr,
     HAS_W: tl.constexpr,
     TRAINING: tl.constexpr,  # statistics came from this batch (their gradient flows to x)
     ACC: tl.constexpr,
 ):
-    batch_norm_row_dx(X, DY, DX, W, Mean, Rstd, Sum_dy, Sum_dy_xhat, tl.program_id(0), C, HW,
-                      reciprocal(count, ACC), BLOCK, HAS_W, TRAINING, ACC)  # fmt: skip
+    """Training: w * rstd * (dy - (sum_dy + xhat * sum_dy_xhat) / count); eval: w * rstd * dy."""
+    at, mask, c, row_mask = _row_tile(tl.program_id(0), rows, HW, C, RB, HWB)
+    rstd = tl.load(Rstd + c, mask=row_mask, other=0.0).to(ACC)
+    scale = rstd
+    if HAS_W:
+        scale = scale * tl.load(W + c, mask=row_mask, other=0.0).to(ACC)
+    dy = tl.load(DY + at, mask=mask, other=0.0).to(ACC)
+    if TRAINING:
+        inv_count = reciprocal(count, ACC)
+        mean = tl.load(Mean + c, mask=row_mask, other=0.0).to(ACC)
+        a = tl.load(Sum_dy + c, mask=row_mask, other=0.0) * inv_count
+        b = tl.load(Sum_dy_xhat + c, mask=row_mask, other=0.0) * inv_count
+        x = tl.load(X + at, mask=mask, other=0.0).to(ACC)
+        dy = dy - (a[:, None] + (x - mean[:, None]) * rstd[:, None] * b[:, None])
+    tl.store(DX + at, (dy * scale[:, None]).to(DX.dtype.element_ty), mask=mask)
 
 
 def batch_norm_stats(x):
     """x: (N, C, HW) contiguous -> (mean, biased var), each (C,) in the math dtype."""
     N, C, HW = x.shape
-    cfg = config.batch_norm(C, HW, x.dtype)
-    mean = torch.empty(C, dtype=config.acc_dtype(x.dtype), device=x.device)
+    acc = config.acc_dtype(x.dtype)
+    cfg = config.batch_norm_sums(N, C, HW, x.dtype, x.device)
+    part = torch.empty((2, cfg.parts, C), dtype=acc, device=x.device)
+    launch(_stats_part_kernel, cfg.grid, x, part[0], part[1], N, C, HW, cfg.samples, RB=cfg.row_block,
+           HWB=cfg.hw_block, ACC=config.tl_acc_dtype(x.dtype), num_warps=cfg.num_warps)  # fmt: skip
+    mean = torch.empty(C, dtype=acc, device=x.device)
     var = torch.empty_like(mean)
-    launch(_stats_kernel, cfg.grid, x, mean, var, N, C, HW, BLOCK=cfg.block_size,
-                            ACC=config.tl_acc_dtype(x.dtype), num_warps=cfg.num_warps)  # fmt: skip
+    launch(_stats_merge_kernel, (triton.cdiv(C, config.MERGE_BLOCK),), x, part[0], part[1], mean, var, N, C,
+           HW, cfg.samples, cfg.parts, BLOCK=config.MERGE_BLOCK, ACC=config.tl_acc_dtype(x.dtype),
+           num_warps=4)  # fmt: skip
     return mean, var
 
 
 def batch_norm_apply(x, weight, bias, mean, rstd):
     """y = (x - mean_c) * rstd_c * weight_c + bias_c, in x.dtype."""
     N, C, HW = x.shape
-    cfg = config.batch_norm(N * C, HW, x.dtype)
+    cfg = config.batch_norm_rows(N * C, HW, x.dtype)
     y = torch.empty_like(x)
     launch(_apply_kernel, cfg.grid,
-        x, y, weight if weight is not None else x, bias if bias is not None else x, mean, rstd, C, HW,
-        BLOCK=cfg.block_size, HAS_W=weight is not None, HAS_B=bias is not None,
+        x, y, weight if weight is not None else x, bias if bias is not None else x, mean, rstd, N * C, C,
+        HW, RB=cfg.row_block, HWB=cfg.hw_block, HAS_W=weight is not None, HAS_B=bias is not None,
         ACC=config.tl_acc_dtype(x.dtype), num_warps=cfg.num_warps,
     )  # fmt: skip
     return y
@@ -124,17 +248,17 @@ def batch_norm_bwd(dy, x, weight, mean, rstd, training, bias_dtype):
     """-> (dx, dweight, dbias); training: the statistics were this batch's."""
     N, C, HW = x.shape
     acc = config.acc_dtype(x.dtype)
-    sum_dy = torch.empty(C, dtype=acc, device=x.device)
-    sum_dy_xhat = torch.empty_like(sum_dy)
-    cfg = config.batch_norm(C, HW, x.dtype)
-    launch(_grad_sums_kernel, cfg.grid, x, dy, mean, rstd, sum_dy, sum_dy_xhat, N, C, HW,
-           BLOCK=cfg.block_size,
-                                ACC=config.tl_acc_dtype(x.dtype), num_warps=cfg.num_warps)  # fmt: skip
+    cfg = config.batch_norm_sums(N, C, HW, x.dtype, x.device)
+    part, (dyx_part, dy_part) = reduce.partials((acc, acc), cfg.parts, C, acc, x.device)
+    launch(_grad_sums_part_kernel, cfg.grid, x, dy, mean, rstd, dyx_part, dy_part, N, C, HW, cfg.samples,
+           RB=cfg.row_block, HWB=cfg.hw_block, ACC=config.tl_acc_dtype(x.dtype),
+           num_warps=cfg.num_warps)  # fmt: skip
+    sum_dy_xhat, sum_dy = reduce.sum_partials(part, (acc, acc))
     dx = torch.empty_like(x)
-    cfg = config.batch_norm(N * C, HW, x.dtype)
+    cfg = config.batch_norm_rows(N * C, HW, x.dtype)
     launch(_dx_kernel, cfg.grid,
-        x, dy, dx, weight if weight is not None else x, mean, rstd, sum_dy, sum_dy_xhat, C, HW,
-        N * HW, BLOCK=cfg.block_size, HAS_W=weight is not None, TRAINING=training,
+        x, dy, dx, weight if weight is not None else x, mean, rstd, sum_dy_xhat, sum_dy, N * C, C, HW,
+        N * HW, RB=cfg.row_block, HWB=cfg.hw_block, HAS_W=weight is not None, TRAINING=training,
         ACC=config.tl_acc_dtype(x.dtype), num_warps=cfg.num_warps,
     )  # fmt: skip
     dweight = sum_dy_xhat.to(weight.dtype) if weight is not None else None

@@ -270,31 +270,93 @@ def backward(M: int, N: int, dtype: torch.dtype, device: torch.device, is_rms: b
     return LaunchConfig(LOOP_BLOCK_BWD, _warps(LOOP_BLOCK_BWD, dtype), rows, (chunks, col_tiles), False)
 
 
-# GroupNorm: one program per (sample, group) row, tiles of up to this many elements (first choice,
-# not yet measured; speed work on GroupNorm is issue 4's).
-GROUP_NORM_MAX_BLOCK = 4096
+# --- GroupNorm / BatchNorm (channels-first images, (N, C, HW) contiguous) ------------------------
+# First versions (one program per (n, g) row or per channel, 4096-element 1-D tiles) reached
+# 0.04-0.35 of copy forward and 0.03-0.23 backward (docs/benchmarks.md, v13 run; perf-notes v14).
+# GroupNorm forward rows of L = (C / G) * HW elements up to the row norms' fused limit are held in
+# registers (one HBM read), longer rows loop over tiles of GROUP_NORM_LOOP_BLOCK. The other image
+# kernels walk 2-D tiles [rows or channels, HW columns] of about IMAGE_TILE elements whose column
+# tile is a power of two chosen to waste at most 1 / IMAGE_MAX_WASTE of its lanes on HW's tail
+# (HW = 3136 = 56 x 56 takes 7 x 512, not 4 x 1024).
+GROUP_NORM_LOOP_BLOCK = 4096
+IMAGE_TILE = 4096
+IMAGE_MAX_HW_BLOCK = 1024
+IMAGE_MIN_HW_BLOCK = 32
+IMAGE_MAX_WASTE = 8
+# BatchNorm's per-channel sums: each channel's N samples are cut into ``parts`` slices so that
+# about this many programs per SM run (C = 256 channels alone fill 2 of 132 SMs' worth); the
+# (parts, C) partials are merged in a fixed order (bitwise reproducible).
+BATCH_NORM_PROGRAMS_PER_SM = 4
+MERGE_BLOCK = 128  # channels per program of the partial-statistics merge
+
+
+@dataclass(frozen=True)
+class ImageConfig:
+    hw_block: int  # column tile over HW (power of two)
+    row_block: int  # rows (channels of a group, samples of a channel, or (n, c) rows) per tile
+    num_warps: int
+    grid: tuple[int, ...]
+    parts: int = 1  # BatchNorm sums: sample slices per channel (partial rows)
+    samples: int = 1  # BatchNorm sums: samples per slice
+
+
+def _hw_block(HW: int) -> int:
+    """Largest power-of-two tile over HW (<= IMAGE_MAX_HW_BLOCK) whose padding of HW is at most
+    1 / IMAGE_MAX_WASTE; the full power of two when none is."""
+    top = min(IMAGE_MAX_HW_BLOCK, triton.next_power_of_2(max(1, HW)))
+    block = top
+    while block >= IMAGE_MIN_HW_BLOCK:
+        padded = triton.cdiv(HW, block) * block
+        if (padded - HW) * IMAGE_MAX_WASTE <= padded:
+            return block
+        block //= 2
+    return top
+
+
+def _image_tile(rows: int, HW: int, dtype: torch.dtype, grid=None) -> ImageConfig:
+    hw_block = _hw_block(HW)
+    row_block = max(1, min(triton.next_power_of_2(max(1, rows)), IMAGE_TILE // hw_block))
+    return ImageConfig(hw_block, row_block, _warps(row_block * hw_block, dtype), grid or ())
 
 
 @_memoized
 def group_norm(rows: int, L: int, dtype: torch.dtype) -> LaunchConfig:
-    """GroupNorm forward: one program per (n, g) row of L elements."""
-    block = min(GROUP_NORM_MAX_BLOCK, triton.next_power_of_2(L))
-    return LaunchConfig(block, _warps(block, dtype), 1, (rows,), block >= L)
-
-
-@_memoized
-def group_norm_backward(rows: int, HW: int, dtype: torch.dtype) -> LaunchConfig:
-    """GroupNorm backward: one program per (n, g) row, walking channels in tiles over HW."""
-    block = min(GROUP_NORM_MAX_BLOCK, triton.next_power_of_2(HW))
+    """GroupNorm forward over ``rows`` = N * G rows of L elements: fused (whole rows in registers,
+    several to a program when short, like the row norms' forward), else one program per row
+    looping over tiles (two reads of the row; the second mostly from L2)."""
+    block = triton.next_power_of_2(max(1, L))
+    if block <= _fused_max(FUSED_MAX_N_FWD, dtype):
+        r = max(1, min(MAX_ROWS_PER_PROGRAM, TILE_ELEMENTS_FWD // block, triton.next_power_of_2(rows)))
+        return LaunchConfig(block, _warps(r * block, dtype), r, (triton.cdiv(rows, r),), True)
+    block = GROUP_NORM_LOOP_BLOCK
     return LaunchConfig(block, _warps(block, dtype), 1, (rows,), False)
 
 
 @_memoized
-def batch_norm(programs: int, HW: int, dtype: torch.dtype) -> LaunchConfig:
-    """BatchNorm: one program per channel (statistics, gradient sums) or per (n, c) row (apply,
-    dx), tiles over HW (first choice, not yet measured; speed is issue 4's)."""
-    block = min(GROUP_NORM_MAX_BLOCK, triton.next_power_of_2(HW))
-    return LaunchConfig(block, _warps(block, dtype), 1, (programs,), False)
+def group_norm_backward(rows: int, Cg: int, HW: int, dtype: torch.dtype) -> ImageConfig:
+    """GroupNorm backward: one program per (n, g) row, [channels, HW] tiles (per-channel sums)."""
+    cfg = _image_tile(Cg, HW, dtype)
+    return ImageConfig(cfg.hw_block, cfg.row_block, cfg.num_warps, (rows,))
+
+
+@_memoized
+def batch_norm_sums(N: int, C: int, HW: int, dtype: torch.dtype, device: torch.device) -> ImageConfig:
+    """BatchNorm statistics / gradient sums: program (slice s, channel c) sums channel c over
+    ``samples`` samples x HW in [samples, HW] tiles; grid = parts x C."""
+    parts = max(1, min(N, triton.cdiv(BATCH_NORM_PROGRAMS_PER_SM * sm_count(device), max(1, C))))
+    samples = triton.cdiv(N, parts)
+    parts = triton.cdiv(N, samples) if N else 1
+    cfg = _image_tile(samples, HW, dtype)
+    return ImageConfig(cfg.hw_block, cfg.row_block, cfg.num_warps, (parts * C,), parts, samples)
+
+
+@_memoized
+def batch_norm_rows(rows: int, HW: int, dtype: torch.dtype) -> ImageConfig:
+    """BatchNorm apply / dx: elementwise over ``rows`` = N * C rows of HW, [rows, HW] tiles; a flat
+    grid of row tiles x column tiles (no 65535 limit on either)."""
+    cfg = _image_tile(rows, HW, dtype)
+    tiles = triton.cdiv(rows, cfg.row_block) * triton.cdiv(HW, cfg.hw_block)
+    return ImageConfig(cfg.hw_block, cfg.row_block, cfg.num_warps, (max(1, tiles),))
 
 
 @_memoized

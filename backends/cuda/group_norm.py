@@ -1,10 +1,12 @@
 """GroupNorm (and InstanceNorm, its C-groups case) on NVIDIA GPUs: kernels, then launchers.
 
 A contiguous (N, C, HW) input holds each (sample, group) as one contiguous row of
-L = (C / G) * HW elements, so one program per row computes its statistics (Chan merging of
-tiles) and normalizes it with the per-channel affine. The backward's per-channel sums give both the
-dx reduction terms and the dweight/dbias partials of that sample ((N, C) buffers, summed over N in
-a fixed order). Row bodies: ``backends/common.py``.
+L = (C / G) * HW elements. Forward: rows up to the row norms' fused limit are held in registers
+(one HBM read; several short rows to a program), longer rows are walked twice by one program
+(Chan merging of tiles, ``backends/common.py``). Backward: one program per row walks it in
+[channels, HW] tiles; the per-channel sums of dy * xhat and dy are the dweight / dbias partials of
+that sample ((N, C) buffers, summed over N in a fixed order) and, weighted by w_c, the row's two
+dx terms; a second walk (mostly from L2) writes dx.
 """
 
 from __future__ import annotations
@@ -13,18 +15,58 @@ import torch
 import triton
 import triton.language as tl
 
-from normkit.backends.common import (
-    exact_eps,
-    group_norm_row_bwd,
-    group_norm_row_fwd,
-    reciprocal,
-)
+from normkit.backends.common import exact_eps, group_norm_row_fwd, reciprocal
 from normkit.backends.cuda import config, reduce
 from normkit.backends.cuda.launch import launch
 
 
 @triton.jit
-def _fwd_kernel(
+def _fwd_fused_kernel(
+    X,  # (N, C, HW) contiguous input: rows = N * G rows of L
+    Y,  # (N, C, HW) out
+    W,  # (C,) weight (unread unless HAS_W)
+    B,  # (C,) bias (unread unless HAS_B)
+    Mean,  # (N * G,) out, ACC
+    Rstd,  # (N * G,) out, ACC
+    rows,  # N * G
+    G,  # groups
+    L,  # row length (C / G) * HW
+    Cg,  # channels per group
+    inv_hw,  # 1 / HW: column j is channel j // HW = floor((j + 0.5) * inv_hw) in fp32 (exact, L < 2^22)
+    eps,
+    eps_lo,  # eps - fp32(eps): fp64 kernels add it back (exact_eps)
+    BLOCK: tl.constexpr,  # >= L: whole rows in registers
+    ROWS: tl.constexpr,  # rows per program
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    row_mask = r < rows
+    mask = row_mask[:, None] & (cols < L)[None, :]
+    at = r.to(tl.int64)[:, None] * L + cols[None, :]
+    # statistics of x - x[row, 0]: exact sums for rows with a large mean (|mean| >> std)
+    shift = tl.load(X + r.to(tl.int64) * L, mask=row_mask, other=0.0).to(ACC)
+    x = tl.where(mask, tl.load(X + at, mask=mask, other=0.0).to(ACC) - shift[:, None], 0.0)
+    inv_l = reciprocal(L, ACC)
+    mean = tl.sum(x, axis=1) * inv_l
+    d = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=1) * inv_l + exact_eps(eps, eps_lo, ACC))
+    tl.store(Mean + r, shift + mean, mask=row_mask)
+    tl.store(Rstd + r, rstd, mask=row_mask)
+    channel = ((cols.to(tl.float32) + 0.5) * inv_hw).to(tl.int32)
+    c = (r % G)[:, None] * Cg + channel[None, :]
+    y = d * rstd[:, None]
+    if HAS_W:
+        y = y * tl.load(W + c, mask=mask, other=0.0).to(ACC)
+    if HAS_B:
+        y = y + tl.load(B + c, mask=mask, other=0.0).to(ACC)
+    tl.store(Y + at, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fwd_looped_kernel(
     X,  # (N, C, HW) contiguous input
     Y,  # (N, C, HW) out
     W,  # (C,) weight (unread unless HAS_W)
@@ -37,7 +79,7 @@ def _fwd_kernel(
     Cg,  # channels per group
     eps,
     eps_lo,  # eps - fp32(eps): fp64 kernels add it back (exact_eps)
-    BLOCK: tl.constexpr,  # column tile; one program per (n, g) row
+    BLOCK: tl.constexpr,  # column tile; one program per (n, g) row (rows longer than the fused limit)
     HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
     ACC: tl.constexpr,
@@ -59,40 +101,96 @@ def _bwd_kernel(
     DB_part,  # (N, C) out, ACC: sample n's sum of dy per channel (written when HAS_DB)
     G,
     C,
-    L,
     HW,
     Cg,
-    BLOCK: tl.constexpr,  # tile over HW; one program per (n, g) row
+    CB: tl.constexpr,  # channels per tile; one program per (n, g) row
+    HWB: tl.constexpr,  # columns (of HW) per tile
     HAS_W: tl.constexpr,
     HAS_DB: tl.constexpr,
     ACC: tl.constexpr,
 ):
-    group_norm_row_bwd(X, DY, DX, W, Mean, Rstd, DW_part, DB_part, tl.program_id(0), G, C, L, HW, Cg,
-                       reciprocal(L, ACC), BLOCK, HAS_W, HAS_DB, ACC)  # fmt: skip
+    row = tl.program_id(0)
+    n = row // G
+    c0 = (row % G) * Cg
+    base = row.to(tl.int64) * Cg * HW
+    mean = tl.load(Mean + row)
+    rstd = tl.load(Rstd + row)
+    ci = tl.arange(0, CB)
+    hj = tl.arange(0, HWB)
+    c1 = tl.zeros([CB], ACC)  # sum over the row of w_c * dy * xhat, per channel slot
+    c2 = tl.zeros([CB], ACC)  # sum over the row of w_c * dy
+    for cs in range(0, Cg, CB):
+        ch = cs + ci
+        ch_mask = ch < Cg
+        s_dyx = tl.zeros([CB], ACC)
+        s_dy = tl.zeros([CB], ACC)
+        for hs in range(0, HW, HWB):
+            hw = hs + hj
+            mask = ch_mask[:, None] & (hw < HW)[None, :]
+            at = base + ch[:, None] * HW + hw[None, :]
+            x = tl.load(X + at, mask=mask, other=0.0).to(ACC)
+            dy = tl.load(DY + at, mask=mask, other=0.0).to(ACC)
+            s_dyx += tl.sum(tl.where(mask, (x - mean) * rstd, 0.0) * dy, axis=1)
+            s_dy += tl.sum(dy, axis=1)
+        part = n.to(tl.int64) * C + c0 + ch
+        if HAS_W:
+            tl.store(DW_part + part, s_dyx, mask=ch_mask)
+            w = tl.load(W + c0 + ch, mask=ch_mask, other=0.0).to(ACC)
+            c1 += w * s_dyx
+            c2 += w * s_dy
+        else:
+            c1 += s_dyx
+            c2 += s_dy
+        if HAS_DB:
+            tl.store(DB_part + part, s_dy, mask=ch_mask)
+    inv_l = reciprocal(Cg * HW, ACC)
+    c1 = tl.sum(c1, axis=0) * inv_l
+    c2 = tl.sum(c2, axis=0) * inv_l
+    for cs in range(0, Cg, CB):
+        ch = cs + ci
+        ch_mask = ch < Cg
+        if HAS_W:
+            w = tl.load(W + c0 + ch, mask=ch_mask, other=0.0).to(ACC)
+        else:
+            w = tl.full([CB], 1.0, ACC)
+        for hs in range(0, HW, HWB):
+            hw = hs + hj
+            mask = ch_mask[:, None] & (hw < HW)[None, :]
+            at = base + ch[:, None] * HW + hw[None, :]
+            x = tl.load(X + at, mask=mask, other=0.0).to(ACC)
+            dy = tl.load(DY + at, mask=mask, other=0.0).to(ACC)
+            dx = (w[:, None] * dy - ((x - mean) * rstd * c1 + c2)) * rstd
+            tl.store(DX + at, dx.to(DX.dtype.element_ty), mask=mask)
 
 
 def group_norm_fwd(x, weight, bias, num_groups, eps):
     """x: (N, C, HW) contiguous -> (y, mean, rstd), statistics per (n, g): shape (N * G,)."""
     N, C, HW = x.shape
-    L = C // num_groups * HW
-    cfg = config.group_norm(N * num_groups, L, x.dtype)
+    rows, L = N * num_groups, C // num_groups * HW
+    cfg = config.group_norm(rows, L, x.dtype)
     y = torch.empty_like(x)
-    mean = torch.empty(N * num_groups, dtype=config.acc_dtype(x.dtype), device=x.device)
+    mean = torch.empty(rows, dtype=config.acc_dtype(x.dtype), device=x.device)
     rstd = torch.empty_like(mean)
-    launch(_fwd_kernel, cfg.grid,
-        x, y, weight if weight is not None else x, bias if bias is not None else x, mean, rstd,
-        num_groups, L, HW, C // num_groups, eps, config.eps_tail(eps, x.device), BLOCK=cfg.block_size,
-        HAS_W=weight is not None, HAS_B=bias is not None, ACC=config.tl_acc_dtype(x.dtype),
-        num_warps=cfg.num_warps,
-    )  # fmt: skip
+    w = weight if weight is not None else x
+    b = bias if bias is not None else x
+    eps_lo = config.eps_tail(eps, x.device)
+    flags = dict(HAS_W=weight is not None, HAS_B=bias is not None, ACC=config.tl_acc_dtype(x.dtype),
+                 num_warps=cfg.num_warps)  # fmt: skip
+    if cfg.fused:
+        launch(_fwd_fused_kernel, cfg.grid, x, y, w, b, mean, rstd, rows, num_groups, L, C // num_groups,
+               1.0 / max(1, HW), eps, eps_lo, BLOCK=cfg.block_size, ROWS=cfg.rows_per_program,
+               **flags)  # fmt: skip
+    else:
+        launch(_fwd_looped_kernel, cfg.grid, x, y, w, b, mean, rstd, num_groups, L, HW, C // num_groups, eps,
+               eps_lo, BLOCK=cfg.block_size, **flags)  # fmt: skip
     return y, mean, rstd
 
 
 def group_norm_bwd(dy, x, weight, mean, rstd, num_groups, bias_dtype):
     """-> (dx, dweight, dbias), None where the forward had no weight / bias."""
     N, C, HW = x.shape
-    L = C // num_groups * HW
-    cfg = config.group_norm_backward(N * num_groups, HW, x.dtype)
+    Cg = C // num_groups
+    cfg = config.group_norm_backward(N * num_groups, Cg, HW, x.dtype)
     dx = torch.empty_like(x)
     acc = config.acc_dtype(x.dtype)
     has_w, has_db = weight is not None, bias_dtype is not None
@@ -101,8 +199,8 @@ def group_norm_bwd(dy, x, weight, mean, rstd, num_groups, bias_dtype):
     dw_part = mean if dw_part is None else dw_part  # a placeholder pointer when unused
     db_part = mean if db_part is None else db_part
     launch(_bwd_kernel, cfg.grid,
-        x, dy, dx, weight if has_w else x, mean, rstd, dw_part, db_part, num_groups, C, L, HW,
-        C // num_groups, BLOCK=cfg.block_size, HAS_W=has_w, HAS_DB=has_db,
+        x, dy, dx, weight if has_w else x, mean, rstd, dw_part, db_part, num_groups, C, HW, Cg,
+        CB=cfg.row_block, HWB=cfg.hw_block, HAS_W=has_w, HAS_DB=has_db,
         ACC=config.tl_acc_dtype(x.dtype), num_warps=cfg.num_warps,
     )  # fmt: skip
     dweight, dbias = reduce.sum_partials(part_buf, grad_dtypes)

@@ -408,18 +408,10 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
     _check_param_dtypes(op, input, weight=weight, bias=bias)
     x = input.reshape(input.shape[0], C, math.prod(input.shape[2:])).contiguous()
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    if training:
-        with torch.no_grad():  # the statistics' own gradient is part of batch_norm_bwd(training=True)
-            mean, var = ops.batch_norm_stats(x.detach())
-            rstd = torch.rsqrt(var + eps)
-            count = x.shape[0] * x.shape[2]
-            if count == 0:  # an empty batch leaves the running statistics as they are (as torch)
-                running_mean = running_var = None
-            if running_mean is not None:  # as torch: the running variance is the unbiased one
-                running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
-            if running_var is not None:
-                unbiased = (var * (count / (count - 1))).to(running_var.dtype)
-                running_var.mul_(1 - momentum).add_(unbiased, alpha=momentum)
+    if training:  # the statistics' own gradient is part of batch_norm_bwd(training=True)
+        if count == 0:  # an empty batch leaves the running statistics as they are (as torch)
+            running_mean = running_var = None
+        mean, rstd = ops.batch_norm_stats(x.detach(), eps, float(momentum), running_mean, running_var)
     else:
         mean = running_mean.detach().to(acc)
         rstd = torch.rsqrt(running_var.detach().to(acc) + eps)

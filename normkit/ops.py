@@ -347,17 +347,19 @@ group_norm_fwd.register_autograd(_group_norm_backward, setup_context=_group_norm
 # --- BatchNorm -----------------------------------------------------------------------------------
 
 
-@custom_op("normkit::batch_norm_stats", mutates_args=())
-def batch_norm_stats(x: Tensor) -> tuple[Tensor, Tensor]:
-    """x: (N, C, HW) contiguous -> per-channel (mean, biased variance), (C,) each. Not
-    differentiable by itself: batch_norm_fwd's backward (training=True) accounts for them."""
+@custom_op("normkit::batch_norm_stats", mutates_args=("running_mean", "running_var"))
+def batch_norm_stats(x: Tensor, eps: float, momentum: float, running_mean: Optional[Tensor],
+                     running_var: Optional[Tensor]) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """x: (N, C, HW) contiguous -> per-channel (mean, rstd), (C,) each; updates the running
+    statistics (when given) in place. Not differentiable by itself: batch_norm_fwd's backward
+    (training=True) accounts for the statistics' gradient."""
     with _on(x.device):
         backend = _backend(x)
-        return _outs(backend.batch_norm_stats(x), x, (x,), backend)
+        return _outs(backend.batch_norm_stats(x, eps, momentum, running_mean, running_var), x, (x,), backend)
 
 
 @batch_norm_stats.register_fake
-def _(x):
+def _(x, eps, momentum, running_mean, running_var):
     stat = x.new_empty(x.shape[1], dtype=_stat_dtype(x))
     return stat, torch.empty_like(stat)
 

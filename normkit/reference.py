@@ -165,11 +165,27 @@ def group_norm_bwd(dy, x, weight, mean, rstd, num_groups, bias_dtype):
     return dx.reshape(N, C, HW).to(x.dtype), dweight, dbias
 
 
-def batch_norm_stats(x):
-    """x: (N, C, HW) -> (mean, biased var) per channel, (C,) in the math dtype (two-pass)."""
+def batch_norm_stats(x, eps, momentum=0.0, running_mean=None, running_var=None):
+    """x: (N, C, HW) -> (mean, rstd = 1 / sqrt(biased var + eps)) per channel, (C,) in the math dtype
+    (two-pass). ``running_mean`` / ``running_var``, when given, are updated in place
+    (:func:`update_running_stats`)."""
     xf = x.to(_math_dtype(x))
     mean = xf.mean(dim=(0, 2))
-    return mean, (xf - mean[None, :, None]).square().mean(dim=(0, 2))
+    var = (xf - mean[None, :, None]).square().mean(dim=(0, 2))
+    update_running_stats(mean, var, x.shape[0] * x.shape[2], momentum, running_mean, running_var)
+    return mean, torch.rsqrt(var + eps)
+
+
+def update_running_stats(mean, var, count, momentum, running_mean, running_var):
+    """As torch's BatchNorm: running = (1 - momentum) * running + momentum * batch statistic, the
+    unbiased variance (x count / (count - 1)) for ``running_var``; in the running tensors' dtype.
+    ``count`` > 1 values per channel (the front end refuses fewer and passes None for none)."""
+    with torch.no_grad():
+        if running_mean is not None:
+            running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
+        if running_var is not None:
+            unbiased = (var * (count / (count - 1))).to(running_var.dtype)
+            running_var.mul_(1 - momentum).add_(unbiased, alpha=momentum)
 
 
 def batch_norm_apply(x, weight, bias, mean, rstd):

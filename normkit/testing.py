@@ -471,10 +471,9 @@ def check_batch_norm_case(shape, dtype=torch.float32, device="cpu", *, training=
     x3 = x.double().reshape(n, C, hw)
     up = lambda t: None if t is None else t.double()  # noqa: E731
     if training:
-        m_ref, var = reference.batch_norm_stats(x3)
+        m_ref, r_ref = reference.batch_norm_stats(x3, 1e-5)
     else:
-        m_ref, var = running[0].double(), running[1].double()
-    r_ref = torch.rsqrt(var + 1e-5)
+        m_ref, r_ref = running[0].double(), torch.rsqrt(running[1].double() + 1e-5)
     y_ref = reference.batch_norm_apply(x3, up(w), up(b), m_ref, r_ref)
     dx_ref, dw_ref, db_ref = reference.batch_norm_bwd(
         dy.double().reshape(n, C, hw), x3, up(w), m_ref, r_ref, training, None if b is None else torch.float64

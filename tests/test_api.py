@@ -209,9 +209,9 @@ def test_fresh_outputs_backends_return_no_aliases(executor, run_on):
         calls["group_norm_fwd"] = ((img, cw, cb), (yg, mg, rg))
         calls["group_norm_bwd"] = ((dimg, img, cw, mg, rg),
                                    backend.group_norm_bwd(dimg, img, cw, mg, rg, 2, f32))
-        bm, bv = backend.batch_norm_stats(img)
-        calls["batch_norm_stats"] = ((img,), (bm, bv))
-        brs = (bv + 1e-5).rsqrt()
+        run_m, run_v = torch.zeros_like(cw), torch.ones_like(cw)
+        bm, brs = backend.batch_norm_stats(img, 1e-5, 0.1, run_m, run_v)
+        calls["batch_norm_stats"] = ((img, run_m, run_v), (bm, brs))
         calls["batch_norm_apply"] = ((img, cw, cb, bm, brs),
                                      (backend.batch_norm_apply(img, cw, cb, bm, brs),))
         calls["batch_norm_bwd"] = ((dimg, img, cw, bm, brs),

@@ -52,13 +52,14 @@ def _image_cases():
     x, dy = _rows(4, 8 * 6, seed=5).view(4, 8, 6), _rows(4, 8 * 6, seed=6).view(4, 8, 6)
     w, b = 1 + 0.1 * _rows(1, 8, seed=7)[0], 0.1 * _rows(1, 8, seed=8)[0]
     _, gmean, grstd = ops.group_norm_fwd(x, w, b, 2, 1e-5)
-    mean, var = ops.batch_norm_stats(x)
-    rstd = torch.rsqrt(var + 1e-5)
+    mean, rstd = ops.batch_norm_stats(x, 1e-5, 0.1, None, None)
+    running = [0.1 * _rows(1, 8, seed=9)[0], 1 + 0.1 * _rows(1, 8, seed=10)[0].abs()]
     grad = lambda *ts: [t.clone().requires_grad_() for t in ts]  # noqa: E731
     return [
         ("group_norm_fwd", ops.group_norm_fwd, (*grad(x, w, b), 2, 1e-5)),
         ("group_norm_bwd", ops.group_norm_bwd, (dy, x, w, gmean, grstd, 2, torch.float32)),
-        ("batch_norm_stats", ops.batch_norm_stats, (x,)),
+        ("batch_norm_stats", ops.batch_norm_stats, (x, 1e-5, 0.1, None, None)),
+        ("batch_norm_stats-running", ops.batch_norm_stats, (x, 1e-5, 0.1, *running)),
         ("batch_norm_fwd-train", ops.batch_norm_fwd, (*grad(x, w, b), mean, rstd, True)),
         ("batch_norm_fwd-eval-no-params", ops.batch_norm_fwd, (*grad(x), None, None, mean, rstd, False)),
         ("batch_norm_bwd", ops.batch_norm_bwd, (dy, x, w, mean, rstd, True, torch.float32)),

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from normkit.backends.common import reciprocal
+from normkit.backends.common import exact_eps, reciprocal
 from normkit.backends.cuda import config, reduce
 from normkit.backends.cuda.launch import launch
 
@@ -76,13 +76,21 @@ def _stats_merge_kernel(
     Mean_part,  # (parts, C) from _stats_part_kernel
     M2_part,  # (parts, C)
     Mean,  # (C,) out, ACC
-    Var,  # (C,) out, ACC: biased variance
+    Rstd,  # (C,) out, ACC: 1 / sqrt(biased variance + eps)
+    RMean,  # (C,) running mean, updated in place (unread unless HAS_RM)
+    RVar,  # (C,) running variance, updated in place with the unbiased variance (unless HAS_RV)
     N,
     C,
     HW,
     SAMPLES,
     parts,
+    eps,
+    eps_lo,  # eps - fp32(eps): fp64 kernels add it back (exact_eps)
+    momentum,
+    unbias,  # count / (count - 1)
     BLOCK: tl.constexpr,  # channels per program
+    HAS_RM: tl.constexpr,
+    HAS_RV: tl.constexpr,
     ACC: tl.constexpr,
 ):
     c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -99,9 +107,17 @@ def _stats_merge_kernel(
         mean = mean + delta * (count / total)
         m2 = m2 + pm2 + delta * delta * (seen * count / total)
         seen = total
-    shift = tl.load(X + c.to(tl.int64) * HW, mask=cm, other=0.0).to(ACC)
-    tl.store(Mean + c, shift + mean, mask=cm)
-    tl.store(Var + c, m2 / seen, mask=cm)
+    mean += tl.load(X + tl.cast(c, tl.int64) * HW, mask=cm, other=0.0).to(ACC)  # the shift back
+    var = m2 / seen
+    tl.store(Mean + c, mean, mask=cm)
+    tl.store(Rstd + c, 1.0 / tl.sqrt(var + exact_eps(eps, eps_lo, ACC)), mask=cm)
+    if HAS_RM:
+        rm = tl.load(RMean + c, mask=cm, other=0.0).to(ACC)
+        tl.store(RMean + c, ((1 - momentum) * rm + momentum * mean).to(RMean.dtype.element_ty), mask=cm)
+    if HAS_RV:
+        rv = tl.load(RVar + c, mask=cm, other=0.0).to(ACC)
+        rv = (1 - momentum) * rv + momentum * (var * unbias)
+        tl.store(RVar + c, rv.to(RVar.dtype.element_ty), mask=cm)
 
 
 @triton.jit
@@ -215,20 +231,25 @@ def _dx_kernel(
     tl.store(DX + at, (dy * scale[:, None]).to(DX.dtype.element_ty), mask=mask)
 
 
-def batch_norm_stats(x):
-    """x: (N, C, HW) contiguous -> (mean, biased var), each (C,) in the math dtype."""
+def batch_norm_stats(x, eps, momentum=0.0, running_mean=None, running_var=None):
+    """x: (N, C, HW) contiguous -> (mean, rstd), each (C,) in the math dtype; the running
+    statistics, when given, are updated in place by the same kernel (as torch: unbiased variance)."""
     N, C, HW = x.shape
     acc = config.acc_dtype(x.dtype)
+    tl_acc = config.tl_acc_dtype(x.dtype)
     cfg = config.batch_norm_sums(N, C, HW, x.dtype, x.device)
     part = torch.empty((2, cfg.parts, C), dtype=acc, device=x.device)
     launch(_stats_part_kernel, cfg.grid, x, part[0], part[1], N, C, HW, cfg.samples, RB=cfg.row_block,
-           HWB=cfg.hw_block, ACC=config.tl_acc_dtype(x.dtype), num_warps=cfg.num_warps)  # fmt: skip
+           HWB=cfg.hw_block, ACC=tl_acc, num_warps=cfg.num_warps)  # fmt: skip
     mean = torch.empty(C, dtype=acc, device=x.device)
-    var = torch.empty_like(mean)
-    launch(_stats_merge_kernel, (triton.cdiv(C, config.MERGE_BLOCK),), x, part[0], part[1], mean, var, N, C,
-           HW, cfg.samples, cfg.parts, BLOCK=config.MERGE_BLOCK, ACC=config.tl_acc_dtype(x.dtype),
-           num_warps=4)  # fmt: skip
-    return mean, var
+    rstd = torch.empty_like(mean)
+    count = N * HW
+    launch(_stats_merge_kernel, (triton.cdiv(C, config.MERGE_BLOCK),), x, part[0], part[1], mean, rstd,
+           x if running_mean is None else running_mean, x if running_var is None else running_var, N, C, HW,
+           cfg.samples, cfg.parts, eps, config.eps_tail(eps, x.device), float(momentum),
+           count / max(1, count - 1), BLOCK=config.MERGE_BLOCK, HAS_RM=running_mean is not None,
+           HAS_RV=running_var is not None, ACC=tl_acc, num_warps=4)  # fmt: skip
+    return mean, rstd
 
 
 def batch_norm_apply(x, weight, bias, mean, rstd):

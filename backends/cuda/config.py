@@ -287,6 +287,13 @@ IMAGE_MAX_WASTE = 8
 # about this many programs per SM run (C = 256 channels alone fill 2 of 132 SMs' worth); the
 # (parts, C) partials are merged in a fixed order (bitwise reproducible).
 BATCH_NORM_PROGRAMS_PER_SM = 4
+# GroupNorm backward: programs per SM of the persistent grid, tile elements, warps (0: from the
+# tile). Few rows in flight (each row's x and dy: 100 KB at 8 x 56 x 56 bf16) keep the second walk
+# over the row in L2; one program per row (4096 rows of 128x256x56x56) gave 0.54-0.58 of copy,
+# the 5/3 traffic of a second walk from HBM.
+GROUP_NORM_BWD_PROGRAMS_PER_SM = 2
+GROUP_NORM_BWD_TILE = 4096
+GROUP_NORM_BWD_WARPS = 0
 MERGE_BLOCK = 128  # channels per program of the partial-statistics merge
 
 
@@ -298,6 +305,8 @@ class ImageConfig:
     grid: tuple[int, ...]
     parts: int = 1  # BatchNorm sums: sample slices per channel (partial rows)
     samples: int = 1  # BatchNorm sums: samples per slice
+    rows: int = 1  # GroupNorm forward: (n, g) rows per program
+    fused: bool = False  # GroupNorm forward: whole rows in registers ([rows, row_block, hw_block])
 
 
 def _hw_block(HW: int) -> int:
@@ -313,30 +322,36 @@ def _hw_block(HW: int) -> int:
     return top
 
 
-def _image_tile(rows: int, HW: int, dtype: torch.dtype, grid=None) -> ImageConfig:
+def _image_tile(rows: int, HW: int, dtype: torch.dtype, tile: int = IMAGE_TILE) -> ImageConfig:
     hw_block = _hw_block(HW)
-    row_block = max(1, min(triton.next_power_of_2(max(1, rows)), IMAGE_TILE // hw_block))
-    return ImageConfig(hw_block, row_block, _warps(row_block * hw_block, dtype), grid or ())
+    row_block = max(1, min(triton.next_power_of_2(max(1, rows)), max(1, tile // hw_block)))
+    return ImageConfig(hw_block, row_block, _warps(row_block * hw_block, dtype), ())
 
 
 @_memoized
-def group_norm(rows: int, L: int, dtype: torch.dtype) -> LaunchConfig:
-    """GroupNorm forward over ``rows`` = N * G rows of L elements: fused (whole rows in registers,
-    several to a program when short, like the row norms' forward), else one program per row
-    looping over tiles (two reads of the row; the second mostly from L2)."""
-    block = triton.next_power_of_2(max(1, L))
-    if block <= _fused_max(FUSED_MAX_N_FWD, dtype):
-        r = max(1, min(MAX_ROWS_PER_PROGRAM, TILE_ELEMENTS_FWD // block, triton.next_power_of_2(rows)))
-        return LaunchConfig(block, _warps(r * block, dtype), r, (triton.cdiv(rows, r),), True)
+def group_norm(rows: int, Cg: int, HW: int, dtype: torch.dtype) -> ImageConfig:
+    """GroupNorm forward over ``rows`` = N * G rows of Cg channels x HW: fused when a
+    [Cg, HW] tile padded to powers of two fits the row norms' fused limit (whole rows in registers,
+    one HBM read, per-channel weight / bias loaded once per channel; several short rows to a
+    program), else one program per row looping over 1-D tiles (two reads of the row; the second
+    mostly from L2)."""
+    cb, hwb = triton.next_power_of_2(max(1, Cg)), triton.next_power_of_2(max(1, HW))
+    if cb * hwb <= _fused_max(FUSED_MAX_N_FWD, dtype):
+        r = max(1, min(MAX_ROWS_PER_PROGRAM, TILE_ELEMENTS_FWD // (cb * hwb), triton.next_power_of_2(rows)))
+        return ImageConfig(hwb, cb, _warps(r * cb * hwb, dtype), (triton.cdiv(rows, r),), rows=r, fused=True)
     block = GROUP_NORM_LOOP_BLOCK
-    return LaunchConfig(block, _warps(block, dtype), 1, (rows,), False)
+    return ImageConfig(block, 1, _warps(block, dtype), (rows,))
 
 
 @_memoized
-def group_norm_backward(rows: int, Cg: int, HW: int, dtype: torch.dtype) -> ImageConfig:
-    """GroupNorm backward: one program per (n, g) row, [channels, HW] tiles (per-channel sums)."""
-    cfg = _image_tile(Cg, HW, dtype)
-    return ImageConfig(cfg.hw_block, cfg.row_block, cfg.num_warps, (rows,))
+def group_norm_backward(rows: int, Cg: int, HW: int, dtype: torch.dtype, device: torch.device) -> ImageConfig:
+    """GroupNorm backward: a persistent grid of GROUP_NORM_BWD_PROGRAMS_PER_SM programs per SM walks
+    the (n, g) rows in [channels, HW] tiles, twice (sums, then dx); few rows in flight keep the
+    second walk in L2."""
+    cfg = _image_tile(Cg, HW, dtype, GROUP_NORM_BWD_TILE)
+    warps = GROUP_NORM_BWD_WARPS or cfg.num_warps
+    grid = max(1, min(rows, GROUP_NORM_BWD_PROGRAMS_PER_SM * sm_count(device)))
+    return ImageConfig(cfg.hw_block, cfg.row_block, warps, (grid,))
 
 
 @_memoized

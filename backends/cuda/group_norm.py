@@ -22,7 +22,7 @@ from normkit.backends.cuda.launch import launch
 
 @triton.jit
 def _fwd_fused_kernel(
-    X,  # (N, C, HW) contiguous input: rows = N * G rows of L
+    X,  # (N, C, HW) contiguous input: rows = N * G rows of L = Cg * HW
     Y,  # (N, C, HW) out
     W,  # (C,) weight (unread unless HAS_W)
     B,  # (C,) bias (unread unless HAS_B)
@@ -30,38 +30,41 @@ def _fwd_fused_kernel(
     Rstd,  # (N * G,) out, ACC
     rows,  # N * G
     G,  # groups
-    L,  # row length (C / G) * HW
+    HW,
     Cg,  # channels per group
-    inv_hw,  # 1 / HW: column j is channel j // HW = floor((j + 0.5) * inv_hw) in fp32 (exact, L < 2^22)
     eps,
     eps_lo,  # eps - fp32(eps): fp64 kernels add it back (exact_eps)
-    BLOCK: tl.constexpr,  # >= L: whole rows in registers
-    ROWS: tl.constexpr,  # rows per program
+    ROWS: tl.constexpr,  # rows per program; a [ROWS, CB, HWB] tile holds them whole
+    CB: tl.constexpr,  # >= Cg
+    HWB: tl.constexpr,  # >= HW
     HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
     ACC: tl.constexpr,
 ):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK)
+    ch = tl.arange(0, CB)
+    hw = tl.arange(0, HWB)
+    L = Cg * HW
     row_mask = r < rows
-    mask = row_mask[:, None] & (cols < L)[None, :]
-    at = r.to(tl.int64)[:, None] * L + cols[None, :]
+    ch_mask = row_mask[:, None] & (ch < Cg)[None, :]  # [ROWS, CB]
+    mask = ch_mask[:, :, None] & (hw < HW)[None, None, :]
+    at = (r.to(tl.int64) * L)[:, None, None] + (ch * HW)[None, :, None] + hw[None, None, :]
     # statistics of x - x[row, 0]: exact sums for rows with a large mean (|mean| >> std)
     shift = tl.load(X + r.to(tl.int64) * L, mask=row_mask, other=0.0).to(ACC)
-    x = tl.where(mask, tl.load(X + at, mask=mask, other=0.0).to(ACC) - shift[:, None], 0.0)
+    x = tl.where(mask, tl.load(X + at, mask=mask, other=0.0).to(ACC) - shift[:, None, None], 0.0)
     inv_l = reciprocal(L, ACC)
-    mean = tl.sum(x, axis=1) * inv_l
-    d = tl.where(mask, x - mean[:, None], 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=1) * inv_l + exact_eps(eps, eps_lo, ACC))
+    mean = tl.sum(tl.sum(x, axis=2), axis=1) * inv_l
+    d = tl.where(mask, x - mean[:, None, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(d * d, axis=2), axis=1) * inv_l + exact_eps(eps, eps_lo, ACC))
     tl.store(Mean + r, shift + mean, mask=row_mask)
     tl.store(Rstd + r, rstd, mask=row_mask)
-    channel = ((cols.to(tl.float32) + 0.5) * inv_hw).to(tl.int32)
-    c = (r % G)[:, None] * Cg + channel[None, :]
-    y = d * rstd[:, None]
+    c = (r % G)[:, None] * Cg + ch[None, :]  # [ROWS, CB]: per-channel scale and shift
+    scale = tl.zeros([ROWS, CB], ACC) + rstd[:, None]
     if HAS_W:
-        y = y * tl.load(W + c, mask=mask, other=0.0).to(ACC)
+        scale = scale * tl.load(W + c, mask=ch_mask, other=0.0).to(ACC)
+    y = d * scale[:, :, None]
     if HAS_B:
-        y = y + tl.load(B + c, mask=mask, other=0.0).to(ACC)
+        y = y + tl.load(B + c, mask=ch_mask, other=0.0).to(ACC)[:, :, None]
     tl.store(Y + at, y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -99,75 +102,78 @@ def _bwd_kernel(
     Rstd,  # (N * G,)
     DW_part,  # (N, C) out, ACC: sample n's sum of dy * xhat per channel (written when HAS_W)
     DB_part,  # (N, C) out, ACC: sample n's sum of dy per channel (written when HAS_DB)
+    rows,  # N * G; program p takes rows p, p + programs, ... (persistent grid)
     G,
     C,
     HW,
     Cg,
-    CB: tl.constexpr,  # channels per tile; one program per (n, g) row
+    CB: tl.constexpr,  # channels per tile
     HWB: tl.constexpr,  # columns (of HW) per tile
     HAS_W: tl.constexpr,
     HAS_DB: tl.constexpr,
     ACC: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    n = row // G
-    c0 = (row % G) * Cg
-    base = row.to(tl.int64) * Cg * HW
-    mean = tl.load(Mean + row)
-    rstd = tl.load(Rstd + row)
     ci = tl.arange(0, CB)
     hj = tl.arange(0, HWB)
-    c1 = tl.zeros([CB], ACC)  # sum over the row of w_c * dy * xhat, per channel slot
-    c2 = tl.zeros([CB], ACC)  # sum over the row of w_c * dy
-    for cs in range(0, Cg, CB):
-        ch = cs + ci
-        ch_mask = ch < Cg
-        s_dyx = tl.zeros([CB], ACC)
-        s_dy = tl.zeros([CB], ACC)
-        for hs in range(0, HW, HWB):
-            hw = hs + hj
-            mask = ch_mask[:, None] & (hw < HW)[None, :]
-            at = base + ch[:, None] * HW + hw[None, :]
-            x = tl.load(X + at, mask=mask, other=0.0).to(ACC)
-            dy = tl.load(DY + at, mask=mask, other=0.0).to(ACC)
-            s_dyx += tl.sum(tl.where(mask, (x - mean) * rstd, 0.0) * dy, axis=1)
-            s_dy += tl.sum(dy, axis=1)
-        part = n.to(tl.int64) * C + c0 + ch
-        if HAS_W:
-            tl.store(DW_part + part, s_dyx, mask=ch_mask)
-            w = tl.load(W + c0 + ch, mask=ch_mask, other=0.0).to(ACC)
-            c1 += w * s_dyx
-            c2 += w * s_dy
-        else:
-            c1 += s_dyx
-            c2 += s_dy
-        if HAS_DB:
-            tl.store(DB_part + part, s_dy, mask=ch_mask)
     inv_l = reciprocal(Cg * HW, ACC)
-    c1 = tl.sum(c1, axis=0) * inv_l
-    c2 = tl.sum(c2, axis=0) * inv_l
-    for cs in range(0, Cg, CB):
-        ch = cs + ci
-        ch_mask = ch < Cg
-        if HAS_W:
-            w = tl.load(W + c0 + ch, mask=ch_mask, other=0.0).to(ACC)
-        else:
-            w = tl.full([CB], 1.0, ACC)
-        for hs in range(0, HW, HWB):
-            hw = hs + hj
-            mask = ch_mask[:, None] & (hw < HW)[None, :]
-            at = base + ch[:, None] * HW + hw[None, :]
-            x = tl.load(X + at, mask=mask, other=0.0).to(ACC)
-            dy = tl.load(DY + at, mask=mask, other=0.0).to(ACC)
-            dx = (w[:, None] * dy - ((x - mean) * rstd * c1 + c2)) * rstd
-            tl.store(DX + at, dx.to(DX.dtype.element_ty), mask=mask)
+    for row in range(tl.program_id(0), rows, tl.num_programs(0)):
+        n = row // G
+        c0 = (row % G) * Cg
+        base = tl.cast(row, tl.int64) * Cg * HW
+        mean = tl.load(Mean + row)
+        rstd = tl.load(Rstd + row)
+        c1 = tl.zeros([CB], ACC)  # per channel slot: sum of w_c * dy * xhat over the row
+        c2 = tl.zeros([CB], ACC)  # sum of w_c * dy
+        for cs in range(0, Cg, CB):
+            ch = cs + ci
+            ch_mask = ch < Cg
+            t_dyx = tl.zeros([CB, HWB], ACC)  # tile accumulators, reduced once per channel block
+            t_dy = tl.zeros([CB, HWB], ACC)
+            for hs in range(0, HW, HWB):
+                hw = hs + hj
+                mask = ch_mask[:, None] & (hw < HW)[None, :]
+                at = base + ch[:, None] * HW + hw[None, :]
+                x = tl.load(X + at, mask=mask, other=0.0).to(ACC)
+                dy = tl.load(DY + at, mask=mask, other=0.0).to(ACC)
+                t_dyx += tl.where(mask, (x - mean) * rstd, 0.0) * dy
+                t_dy += dy
+            s_dyx = tl.sum(t_dyx, axis=1)
+            s_dy = tl.sum(t_dy, axis=1)
+            part = tl.cast(n, tl.int64) * C + c0 + ch
+            if HAS_W:
+                tl.store(DW_part + part, s_dyx, mask=ch_mask)
+                w = tl.load(W + c0 + ch, mask=ch_mask, other=0.0).to(ACC)
+                c1 += w * s_dyx
+                c2 += w * s_dy
+            else:
+                c1 += s_dyx
+                c2 += s_dy
+            if HAS_DB:
+                tl.store(DB_part + part, s_dy, mask=ch_mask)
+        c1_row = tl.sum(c1, axis=0) * inv_l
+        c2_row = tl.sum(c2, axis=0) * inv_l
+        for cs in range(0, Cg, CB):  # second walk: the row is still in L2 (config: few rows in flight)
+            ch = cs + ci
+            ch_mask = ch < Cg
+            if HAS_W:
+                w = tl.load(W + c0 + ch, mask=ch_mask, other=0.0).to(ACC)
+            else:
+                w = tl.full([CB], 1.0, ACC)
+            for hs in range(0, HW, HWB):
+                hw = hs + hj
+                mask = ch_mask[:, None] & (hw < HW)[None, :]
+                at = base + ch[:, None] * HW + hw[None, :]
+                x = tl.load(X + at, mask=mask, other=0.0).to(ACC)
+                dy = tl.load(DY + at, mask=mask, other=0.0).to(ACC)
+                dx = (w[:, None] * dy - ((x - mean) * rstd * c1_row + c2_row)) * rstd
+                tl.store(DX + at, dx.to(DX.dtype.element_ty), mask=mask)
 
 
 def group_norm_fwd(x, weight, bias, num_groups, eps):
     """x: (N, C, HW) contiguous -> (y, mean, rstd), statistics per (n, g): shape (N * G,)."""
     N, C, HW = x.shape
     rows, L = N * num_groups, C // num_groups * HW
-    cfg = config.group_norm(rows, L, x.dtype)
+    cfg = config.group_norm(rows, C // num_groups, HW, x.dtype)
     y = torch.empty_like(x)
     mean = torch.empty(rows, dtype=config.acc_dtype(x.dtype), device=x.device)
     rstd = torch.empty_like(mean)
@@ -177,12 +183,11 @@ def group_norm_fwd(x, weight, bias, num_groups, eps):
     flags = dict(HAS_W=weight is not None, HAS_B=bias is not None, ACC=config.tl_acc_dtype(x.dtype),
                  num_warps=cfg.num_warps)  # fmt: skip
     if cfg.fused:
-        launch(_fwd_fused_kernel, cfg.grid, x, y, w, b, mean, rstd, rows, num_groups, L, C // num_groups,
-               1.0 / max(1, HW), eps, eps_lo, BLOCK=cfg.block_size, ROWS=cfg.rows_per_program,
-               **flags)  # fmt: skip
+        launch(_fwd_fused_kernel, cfg.grid, x, y, w, b, mean, rstd, rows, num_groups, HW, C // num_groups,
+               eps, eps_lo, ROWS=cfg.rows, CB=cfg.row_block, HWB=cfg.hw_block, **flags)  # fmt: skip
     else:
         launch(_fwd_looped_kernel, cfg.grid, x, y, w, b, mean, rstd, num_groups, L, HW, C // num_groups, eps,
-               eps_lo, BLOCK=cfg.block_size, **flags)  # fmt: skip
+               eps_lo, BLOCK=cfg.hw_block, **flags)  # fmt: skip
     return y, mean, rstd
 
 
@@ -190,7 +195,7 @@ def group_norm_bwd(dy, x, weight, mean, rstd, num_groups, bias_dtype):
     """-> (dx, dweight, dbias), None where the forward had no weight / bias."""
     N, C, HW = x.shape
     Cg = C // num_groups
-    cfg = config.group_norm_backward(N * num_groups, Cg, HW, x.dtype)
+    cfg = config.group_norm_backward(N * num_groups, Cg, HW, x.dtype, x.device)
     dx = torch.empty_like(x)
     acc = config.acc_dtype(x.dtype)
     has_w, has_db = weight is not None, bias_dtype is not None
@@ -199,8 +204,8 @@ def group_norm_bwd(dy, x, weight, mean, rstd, num_groups, bias_dtype):
     dw_part = mean if dw_part is None else dw_part  # a placeholder pointer when unused
     db_part = mean if db_part is None else db_part
     launch(_bwd_kernel, cfg.grid,
-        x, dy, dx, weight if has_w else x, mean, rstd, dw_part, db_part, num_groups, C, HW, Cg,
-        CB=cfg.row_block, HWB=cfg.hw_block, HAS_W=has_w, HAS_DB=has_db,
+        x, dy, dx, weight if has_w else x, mean, rstd, dw_part, db_part, N * num_groups, num_groups, C, HW,
+        Cg, CB=cfg.row_block, HWB=cfg.hw_block, HAS_W=has_w, HAS_DB=has_db,
         ACC=config.tl_acc_dtype(x.dtype), num_warps=cfg.num_warps,
     )  # fmt: skip
     dweight, dbias = reduce.sum_partials(part_buf, grad_dtypes)

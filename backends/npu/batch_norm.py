@@ -18,6 +18,7 @@ from normkit.backends.common import (
     batch_norm_row_dx,
 )
 from normkit.backends.npu import config
+from normkit.reference import update_running_stats
 
 
 @triton.jit
@@ -98,14 +99,16 @@ def _dx_kernel(
                           BLOCK_SIZE, HAS_W, TRAINING, tl.float32)  # fmt: skip
 
 
-def batch_norm_stats(x):
-    """x: (N, C, HW) contiguous -> (mean, biased var), each (C,) fp32."""
+def batch_norm_stats(x, eps, momentum=0.0, running_mean=None, running_var=None):
+    """x: (N, C, HW) contiguous -> (mean, rstd), each (C,) fp32; running statistics, when given,
+    updated in place (``reference.update_running_stats``, torch ops)."""
     N, C, HW = x.shape
     cfg = config.rows(C, x.device)
     mean = torch.empty(C, dtype=torch.float32, device=x.device)
     var = torch.empty_like(mean)
     _stats_kernel[cfg.grid](x, mean, var, N, C, HW, BLOCK_SIZE=cfg.block_size)
-    return mean, var
+    update_running_stats(mean, var, N * HW, momentum, running_mean, running_var)
+    return mean, torch.rsqrt(var + eps)
 
 
 def batch_norm_apply(x, weight, bias, mean, rstd):

@@ -287,13 +287,17 @@ IMAGE_MAX_WASTE = 8
 # about this many programs per SM run (C = 256 channels alone fill 2 of 132 SMs' worth); the
 # (parts, C) partials are merged in a fixed order (bitwise reproducible).
 BATCH_NORM_PROGRAMS_PER_SM = 4
-# GroupNorm backward: programs per SM of the persistent grid, tile elements, warps (0: from the
-# tile). Few rows in flight (each row's x and dy: 100 KB at 8 x 56 x 56 bf16) keep the second walk
-# over the row in L2; one program per row (4096 rows of 128x256x56x56) gave 0.54-0.58 of copy,
-# the 5/3 traffic of a second walk from HBM.
-GROUP_NORM_BWD_PROGRAMS_PER_SM = 2
+# GroupNorm backward: programs per SM of a persistent grid (0: one program per row), tile elements,
+# warps (0: from the tile). (Measured first on an H200, perf-notes v14: a persistent grid meant to
+# keep the second walk over each row in L2 was slower, 0.38-0.53 of copy, than one program per row,
+# 0.57-0.71, at 16 warps.)
+GROUP_NORM_BWD_PROGRAMS_PER_SM = 0
 GROUP_NORM_BWD_TILE = 4096
-GROUP_NORM_BWD_WARPS = 0
+GROUP_NORM_BWD_WARPS = 16
+GROUP_NORM_FWD_WARPS = 0  # fused forward (0: from the tile, as the row norms)
+BATCH_NORM_SUMS_TILE = IMAGE_TILE
+BATCH_NORM_ROWS_TILE = IMAGE_TILE
+BATCH_NORM_ROWS_WARPS = 0
 MERGE_BLOCK = 128  # channels per program of the partial-statistics merge
 
 
@@ -338,19 +342,19 @@ def group_norm(rows: int, Cg: int, HW: int, dtype: torch.dtype) -> ImageConfig:
     cb, hwb = triton.next_power_of_2(max(1, Cg)), triton.next_power_of_2(max(1, HW))
     if cb * hwb <= _fused_max(FUSED_MAX_N_FWD, dtype):
         r = max(1, min(MAX_ROWS_PER_PROGRAM, TILE_ELEMENTS_FWD // (cb * hwb), triton.next_power_of_2(rows)))
-        return ImageConfig(hwb, cb, _warps(r * cb * hwb, dtype), (triton.cdiv(rows, r),), rows=r, fused=True)
+        warps = GROUP_NORM_FWD_WARPS or _warps(r * cb * hwb, dtype)
+        return ImageConfig(hwb, cb, warps, (triton.cdiv(rows, r),), rows=r, fused=True)
     block = GROUP_NORM_LOOP_BLOCK
     return ImageConfig(block, 1, _warps(block, dtype), (rows,))
 
 
 @_memoized
 def group_norm_backward(rows: int, Cg: int, HW: int, dtype: torch.dtype, device: torch.device) -> ImageConfig:
-    """GroupNorm backward: a persistent grid of GROUP_NORM_BWD_PROGRAMS_PER_SM programs per SM walks
-    the (n, g) rows in [channels, HW] tiles, twice (sums, then dx); few rows in flight keep the
-    second walk in L2."""
+    """GroupNorm backward: programs walk (n, g) rows in [channels, HW] tiles, twice (sums, then dx);
+    one program per row unless GROUP_NORM_BWD_PROGRAMS_PER_SM sets a persistent grid."""
     cfg = _image_tile(Cg, HW, dtype, GROUP_NORM_BWD_TILE)
     warps = GROUP_NORM_BWD_WARPS or cfg.num_warps
-    grid = max(1, min(rows, GROUP_NORM_BWD_PROGRAMS_PER_SM * sm_count(device)))
+    grid = max(1, min(rows, GROUP_NORM_BWD_PROGRAMS_PER_SM * sm_count(device) or rows))
     return ImageConfig(cfg.hw_block, cfg.row_block, warps, (grid,))
 
 
@@ -361,7 +365,7 @@ def batch_norm_sums(N: int, C: int, HW: int, dtype: torch.dtype, device: torch.d
     parts = max(1, min(N, triton.cdiv(BATCH_NORM_PROGRAMS_PER_SM * sm_count(device), max(1, C))))
     samples = triton.cdiv(N, parts)
     parts = triton.cdiv(N, samples) if N else 1
-    cfg = _image_tile(samples, HW, dtype)
+    cfg = _image_tile(samples, HW, dtype, BATCH_NORM_SUMS_TILE)
     return ImageConfig(cfg.hw_block, cfg.row_block, cfg.num_warps, (parts * C,), parts, samples)
 
 
@@ -369,9 +373,9 @@ def batch_norm_sums(N: int, C: int, HW: int, dtype: torch.dtype, device: torch.d
 def batch_norm_rows(rows: int, HW: int, dtype: torch.dtype) -> ImageConfig:
     """BatchNorm apply / dx: elementwise over ``rows`` = N * C rows of HW, [rows, HW] tiles; a flat
     grid of row tiles x column tiles (no 65535 limit on either)."""
-    cfg = _image_tile(rows, HW, dtype)
+    cfg = _image_tile(rows, HW, dtype, BATCH_NORM_ROWS_TILE)
     tiles = triton.cdiv(rows, cfg.row_block) * triton.cdiv(HW, cfg.hw_block)
-    return ImageConfig(cfg.hw_block, cfg.row_block, cfg.num_warps, (max(1, tiles),))
+    return ImageConfig(cfg.hw_block, cfg.row_block, BATCH_NORM_ROWS_WARPS or cfg.num_warps, (max(1, tiles),))
 
 
 @_memoized

@@ -3,12 +3,16 @@
 A column reduction, unlike the row norms: channel c's statistics run over N samples x HW of a
 contiguous (N, C, HW) input. Each channel's samples are cut into ``parts`` slices
 (``config.batch_norm_sums``) so that the whole GPU works on a few hundred channels: program
-(slice, channel) walks [samples, HW] tiles and writes partial statistics (Chan merging of tiles of
-x - x[0, c, 0]: exact for large means); a small kernel merges the slices in a fixed order
-(bitwise reproducible). The apply and dx kernels are elementwise over [rows, HW] tiles of the
-(N * C, HW) rows. The backward's per-channel sums of dy and dy * xhat (= dbias, dweight) are
-partial rows summed by ``reduce.sum_partials``. Running statistics are updated by the front end.
-"""
+(slice, channel) walks [samples, HW] tiles and writes partial statistics (sums of x - x[0, c, 0]
+and its square: accurate for large means); a small kernel merges the slices by Chan's formula in a
+fixed order (bitwise reproducible), computes rstd and updates the running statistics in place.
+The apply and dx kernels are elementwise over [rows, HW] tiles of the (N * C, HW) rows. The
+backward's per-channel sums of dy and dy * xhat (= dbias, dweight) are partial rows summed by
+``reduce.sum_partials``.
+
+Training reads x twice (statistics, then apply) and x and dy twice in the backward: 3 / 2 and 5 / 3
+of the bytes a single pass would move (perf-notes v14 has the measurement and the design that
+would keep each channel's slice on chip between the two passes)."""
 
 from __future__ import annotations
 
@@ -36,7 +40,7 @@ def _slice_tile(s, rs, hs, N, C, HW, c, SAMPLES, RB: tl.constexpr, HWB: tl.const
 def _stats_part_kernel(
     X,  # (N, C, HW) contiguous input
     Mean_part,  # (parts, C) out, ACC: mean of x - x[0, c, 0] over slice s of channel c
-    M2_part,  # (parts, C) out, ACC: sum of squared deviations from that mean
+    M2_part,  # (parts, C) out, ACC: sum of squared deviations from that mean (merged by Chan's formula)
     N,
     C,
     HW,
@@ -48,26 +52,24 @@ def _stats_part_kernel(
     p = tl.program_id(0)
     s = p // C
     c = p % C
+    # Sums of x - x[0, c, 0] and its square in tile-shaped accumulators (no reduction inside the
+    # loop, so loads stream); M2 = sum(d^2) - sum(d)^2 / n is exact enough once the shift has taken
+    # the channel's mean out (a first version merged every tile by Chan's formula: 0.29-0.75 of
+    # copy for this read-only pass on H100, perf-notes v14).
     shift = tl.load(X + c.to(tl.int64) * HW).to(ACC)
-    mean = tl.zeros((), ACC)
-    m2 = tl.zeros((), ACC)
-    seen = tl.zeros((), ACC)
+    s1 = tl.zeros([RB, HWB], ACC)
+    s2 = tl.zeros([RB, HWB], ACC)
     rows = tl.minimum(SAMPLES, N - s * SAMPLES)
     for rs in range(0, rows, RB):
-        n_valid = tl.minimum(RB, rows - rs)
         for hs in range(0, HW, HWB):
             at, mask = _slice_tile(s, rs, hs, N, C, HW, c, SAMPLES, RB, HWB)
             xs = tl.where(mask, tl.load(X + at, mask=mask, other=0.0).to(ACC) - shift, 0.0)
-            count = tl.cast(n_valid * tl.minimum(HWB, HW - hs), ACC)
-            tile_mean = tl.sum(tl.sum(xs, axis=1), axis=0) / count
-            d = tl.where(mask, xs - tile_mean, 0.0)
-            delta = tile_mean - mean
-            total = seen + count
-            mean = mean + delta * (count / total)
-            m2 = m2 + tl.sum(tl.sum(d * d, axis=1), axis=0) + delta * delta * (seen * count / total)
-            seen = total
+            s1 += xs
+            s2 += xs * xs
+    sum1 = tl.sum(tl.sum(s1, axis=1), axis=0)
+    mean = sum1 / tl.cast(rows * HW, ACC)
     tl.store(Mean_part + p, mean)
-    tl.store(M2_part + p, m2)
+    tl.store(M2_part + p, tl.maximum(tl.sum(tl.sum(s2, axis=1), axis=0) - sum1 * mean, 0.0))
 
 
 @triton.jit
@@ -180,18 +182,18 @@ def _grad_sums_part_kernel(
     c = p % C
     mean = tl.load(Mean + c).to(ACC)
     rstd = tl.load(Rstd + c).to(ACC)
-    s_dy = tl.zeros([RB], ACC)
-    s_dyx = tl.zeros([RB], ACC)
+    s_dy = tl.zeros([RB, HWB], ACC)  # tile accumulators, reduced once at the end
+    s_dyx = tl.zeros([RB, HWB], ACC)
     rows = tl.minimum(SAMPLES, N - s * SAMPLES)
     for rs in range(0, rows, RB):
         for hs in range(0, HW, HWB):
             at, mask = _slice_tile(s, rs, hs, N, C, HW, c, SAMPLES, RB, HWB)
             x = tl.load(X + at, mask=mask, other=0.0).to(ACC)
             dy = tl.load(DY + at, mask=mask, other=0.0).to(ACC)
-            s_dy += tl.sum(dy, axis=1)
-            s_dyx += tl.sum(tl.where(mask, (x - mean) * rstd, 0.0) * dy, axis=1)
-    tl.store(Sum_dy_xhat_part + p, tl.sum(s_dyx, axis=0))
-    tl.store(Sum_dy_part + p, tl.sum(s_dy, axis=0))
+            s_dy += dy
+            s_dyx += tl.where(mask, (x - mean) * rstd, 0.0) * dy
+    tl.store(Sum_dy_xhat_part + p, tl.sum(tl.sum(s_dyx, axis=1), axis=0))
+    tl.store(Sum_dy_part + p, tl.sum(tl.sum(s_dy, axis=1), axis=0))
 
 
 @triton.jit

@@ -294,7 +294,10 @@ BATCH_NORM_PROGRAMS_PER_SM = 4
 GROUP_NORM_BWD_PROGRAMS_PER_SM = 0
 GROUP_NORM_BWD_TILE = 4096
 GROUP_NORM_BWD_WARPS = 16
-GROUP_NORM_FWD_WARPS = 0  # fused forward (0: from the tile, as the row norms)
+# Fused forward: at most this many warps by element size (the row norms' 32 warps for a 32768
+# tile gave 0.64-0.86 of copy on the bf16 image shapes, 8 warps 0.75-0.90; H100, perf-notes v14;
+# fp32 / fp64 keep twice / four times the warps for the same registers per thread, unmeasured).
+GROUP_NORM_FWD_MAX_WARPS = {2: 8, 4: 16, 8: 32}
 BATCH_NORM_SUMS_TILE = IMAGE_TILE
 BATCH_NORM_ROWS_TILE = IMAGE_TILE
 BATCH_NORM_ROWS_WARPS = 0
@@ -342,7 +345,7 @@ def group_norm(rows: int, Cg: int, HW: int, dtype: torch.dtype) -> ImageConfig:
     cb, hwb = triton.next_power_of_2(max(1, Cg)), triton.next_power_of_2(max(1, HW))
     if cb * hwb <= _fused_max(FUSED_MAX_N_FWD, dtype):
         r = max(1, min(MAX_ROWS_PER_PROGRAM, TILE_ELEMENTS_FWD // (cb * hwb), triton.next_power_of_2(rows)))
-        warps = GROUP_NORM_FWD_WARPS or _warps(r * cb * hwb, dtype)
+        warps = min(GROUP_NORM_FWD_MAX_WARPS[torch.finfo(dtype).bits // 8], _warps(r * cb * hwb, dtype))
         return ImageConfig(hwb, cb, warps, (triton.cdiv(rows, r),), rows=r, fused=True)
     block = GROUP_NORM_LOOP_BLOCK
     return ImageConfig(block, 1, _warps(block, dtype), (rows,))

@@ -284,9 +284,9 @@ IMAGE_MAX_HW_BLOCK = 1024
 IMAGE_MIN_HW_BLOCK = 32
 IMAGE_MAX_WASTE = 8
 # BatchNorm's per-channel sums: each channel's N samples are cut into ``parts`` slices so that
-# about this many programs per SM run (C = 256 channels alone fill 2 of 132 SMs' worth); the
+# about this many programs per SM run (C = 256 channels alone would fill 2 of 132 SMs); the
 # (parts, C) partials are merged in a fixed order (bitwise reproducible).
-BATCH_NORM_PROGRAMS_PER_SM = 4
+BATCH_NORM_PROGRAMS_PER_SM = 16
 # GroupNorm backward: programs per SM of a persistent grid (0: one program per row), tile elements,
 # warps (0: from the tile). (Measured first on an H200, perf-notes v14: a persistent grid meant to
 # keep the second walk over each row in L2 was slower, 0.38-0.53 of copy, than one program per row,
@@ -298,7 +298,10 @@ GROUP_NORM_BWD_WARPS = 16
 # tile gave 0.64-0.86 of copy on the bf16 image shapes, 8 warps 0.75-0.90; H100, perf-notes v14;
 # fp32 / fp64 keep twice / four times the warps for the same registers per thread, unmeasured).
 GROUP_NORM_FWD_MAX_WARPS = {2: 8, 4: 16, 8: 32}
-BATCH_NORM_SUMS_TILE = IMAGE_TILE
+# BatchNorm sums: 16 programs per SM over [samples, HW] tiles of 2048 elements read the statistics
+# pass at 0.45-0.70 of copy on the bf16 image shapes, the steadiest of {4, 8, 16} x {2048, 4096,
+# 8192} (0.31-0.75; H100, perf-notes v14). The apply kernel reads 0.88-0.98 at any tile of 2048-16384.
+BATCH_NORM_SUMS_TILE = 2048
 BATCH_NORM_ROWS_TILE = IMAGE_TILE
 BATCH_NORM_ROWS_WARPS = 0
 MERGE_BLOCK = 128  # channels per program of the partial-statistics merge

@@ -69,7 +69,8 @@ def _stats_part_kernel(
     sum1 = tl.sum(tl.sum(s1, axis=1), axis=0)
     mean = sum1 / tl.cast(rows * HW, ACC)
     tl.store(Mean_part + p, mean)
-    tl.store(M2_part + p, tl.maximum(tl.sum(tl.sum(s2, axis=1), axis=0) - sum1 * mean, 0.0))
+    m2 = tl.sum(tl.sum(s2, axis=1), axis=0) - sum1 * mean  # NaN for a slice holding +-inf, as torch
+    tl.store(M2_part + p, tl.maximum(m2, 0.0, propagate_nan=tl.PropagateNan.ALL))
 
 
 @triton.jit

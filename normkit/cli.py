@@ -163,7 +163,7 @@ suites (default: all):
   small  row ops, N = 64, 128, 256, 512, M = 2^27 // N
   few    row ops, M = 1, 16, 128 rows of N = 4096, 8192 (inference; small tensors on purpose)
   image  group_norm (32 groups), batch_norm (training, running stats) on (N, C, H, W) =
-         32x256x56x56, 16x512x28x28, 8x128x112x112
+         128x256x56x56, 256x512x28x28, 128x64x112x112 (ResNet-50 training), 32x256x56x56
   dim0   softmax_dim0, log_softmax_dim0: softmax along dim 0 of a contiguous (N, M) tensor,
          N = 1024, 4096, 32768, M = 2^27 // N
 --quick: sweep N=4096, small N=256, few 16x4096, the first image shape, dim0 N=4096; bfloat16.

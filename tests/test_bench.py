@@ -711,3 +711,10 @@ def test_npu_kernels_on_cuda_run_the_npu_backend_fwd_and_bwd(op, monkeypatch):
     rows, _ = bench.run([case], ["npu-kernels-on-cuda"], "cuda", fake_timer, copy=100.0)
     assert [(r["fwd_status"], r["bwd_status"]) for r in rows] == [("ok", "ok")], rows[0]["error"]
     assert set(calls) == set(names)
+
+
+def test_help_lists_the_image_shapes():
+    """`normkit bench --help` names the image suite's shapes as bench.IMAGE_SHAPES defines them."""
+    shown = cli.BENCH_EPILOG.split("image ")[1].split("dim0")[0]
+    for shape in bench.IMAGE_SHAPES:
+        assert "x".join(map(str, shape)) in shown

@@ -79,7 +79,7 @@ def calls(case, impl):
     outs = fwd()
     args = (outs[0], bench.leaves(inp), inp["dy"])
     bwd = lambda: torch.autograd.grad(*args, retain_graph=True)  # noqa: E731
-    return case, fwd, bwd
+    return fwd, bwd
 
 
 def breakdown():
@@ -177,7 +177,7 @@ def main():
         cases = [bench.Case("image", op, "bfloat16", s) for op in bench.IMAGE_OPS for s in bench.IMAGE_SHAPES]
     for case in cases:
         for impl in IMPLS:
-            case, fwd, bwd = calls(case, impl)
+            fwd, bwd = calls(case, impl)
             fb, bb = case.bytes()
             res = []
             for fn, nbytes in ((fwd, fb), (bwd, bb)):

@@ -287,12 +287,9 @@ IMAGE_MAX_WASTE = 8
 # about this many programs per SM run (C = 256 channels alone would fill 2 of 132 SMs); the
 # (parts, C) partials are merged in a fixed order (bitwise reproducible).
 BATCH_NORM_PROGRAMS_PER_SM = 16
-# GroupNorm backward: programs per SM of a persistent grid (0: one program per row), tile elements,
-# warps (0: from the tile). (Measured first on an H200, perf-notes v14: a persistent grid meant to
-# keep the second walk over each row in L2 was slower, 0.38-0.53 of copy, than one program per row,
-# 0.57-0.71, at 16 warps.)
-GROUP_NORM_BWD_PROGRAMS_PER_SM = 0
-GROUP_NORM_BWD_TILE = 4096
+# GroupNorm backward: one program per (n, g) row at this many warps (8 / 16 / 32 measured: 0.58-0.76
+# of copy at 16 on the bf16 image shapes; H100, perf-notes v14). A persistent grid of 1-4 programs
+# per SM, meant to keep each row's second walk in L2, was slower (0.20-0.63, H200).
 GROUP_NORM_BWD_WARPS = 16
 # Fused forward: at most this many warps by element size (the row norms' 32 warps for a 32768
 # tile gave 0.64-0.86 of copy on the bf16 image shapes, 8 warps 0.75-0.90; H100, perf-notes v14;
@@ -302,8 +299,6 @@ GROUP_NORM_FWD_MAX_WARPS = {2: 8, 4: 16, 8: 32}
 # pass at 0.45-0.70 of copy on the bf16 image shapes, the steadiest of {4, 8, 16} x {2048, 4096,
 # 8192} (0.31-0.75; H100, perf-notes v14). The apply kernel reads 0.88-0.98 at any tile of 2048-16384.
 BATCH_NORM_SUMS_TILE = 2048
-BATCH_NORM_ROWS_TILE = IMAGE_TILE
-BATCH_NORM_ROWS_WARPS = 0
 MERGE_BLOCK = 128  # channels per program of the partial-statistics merge
 
 
@@ -343,8 +338,7 @@ def group_norm(rows: int, Cg: int, HW: int, dtype: torch.dtype) -> ImageConfig:
     """GroupNorm forward over ``rows`` = N * G rows of Cg channels x HW: fused when a
     [Cg, HW] tile padded to powers of two fits the row norms' fused limit (whole rows in registers,
     one HBM read, per-channel weight / bias loaded once per channel; several short rows to a
-    program), else one program per row looping over 1-D tiles (two reads of the row; the second
-    mostly from L2)."""
+    program), else one program per row looping over 1-D tiles (two reads of the row)."""
     cb, hwb = triton.next_power_of_2(max(1, Cg)), triton.next_power_of_2(max(1, HW))
     if cb * hwb <= _fused_max(FUSED_MAX_N_FWD, dtype):
         r = max(1, min(MAX_ROWS_PER_PROGRAM, TILE_ELEMENTS_FWD // (cb * hwb), triton.next_power_of_2(rows)))
@@ -355,13 +349,11 @@ def group_norm(rows: int, Cg: int, HW: int, dtype: torch.dtype) -> ImageConfig:
 
 
 @_memoized
-def group_norm_backward(rows: int, Cg: int, HW: int, dtype: torch.dtype, device: torch.device) -> ImageConfig:
-    """GroupNorm backward: programs walk (n, g) rows in [channels, HW] tiles, twice (sums, then dx);
-    one program per row unless GROUP_NORM_BWD_PROGRAMS_PER_SM sets a persistent grid."""
-    cfg = _image_tile(Cg, HW, dtype, GROUP_NORM_BWD_TILE)
-    warps = GROUP_NORM_BWD_WARPS or cfg.num_warps
-    grid = max(1, min(rows, GROUP_NORM_BWD_PROGRAMS_PER_SM * sm_count(device) or rows))
-    return ImageConfig(cfg.hw_block, cfg.row_block, warps, (grid,))
+def group_norm_backward(rows: int, Cg: int, HW: int, dtype: torch.dtype) -> ImageConfig:
+    """GroupNorm backward: one program per (n, g) row walks it twice in [channels, HW] tiles (sums,
+    then dx)."""
+    cfg = _image_tile(Cg, HW, dtype)
+    return ImageConfig(cfg.hw_block, cfg.row_block, GROUP_NORM_BWD_WARPS, (rows,))
 
 
 @_memoized
@@ -379,9 +371,9 @@ def batch_norm_sums(N: int, C: int, HW: int, dtype: torch.dtype, device: torch.d
 def batch_norm_rows(rows: int, HW: int, dtype: torch.dtype) -> ImageConfig:
     """BatchNorm apply / dx: elementwise over ``rows`` = N * C rows of HW, [rows, HW] tiles; a flat
     grid of row tiles x column tiles (no 65535 limit on either)."""
-    cfg = _image_tile(rows, HW, dtype, BATCH_NORM_ROWS_TILE)
+    cfg = _image_tile(rows, HW, dtype)
     tiles = triton.cdiv(rows, cfg.row_block) * triton.cdiv(HW, cfg.hw_block)
-    return ImageConfig(cfg.hw_block, cfg.row_block, BATCH_NORM_ROWS_WARPS or cfg.num_warps, (max(1, tiles),))
+    return ImageConfig(cfg.hw_block, cfg.row_block, cfg.num_warps, (max(1, tiles),))
 
 
 @_memoized

@@ -6,7 +6,7 @@ L = (C / G) * HW elements. Forward: rows up to the row norms' fused limit are he
 (Chan merging of tiles, ``backends/common.py``). Backward: one program per row walks it in
 [channels, HW] tiles; the per-channel sums of dy * xhat and dy are the dweight / dbias partials of
 that sample ((N, C) buffers, summed over N in a fixed order) and, weighted by w_c, the row's two
-dx terms; a second walk (mostly from L2) writes dx.
+dx terms; a second walk writes dx (rows of 100 KB are read twice from HBM: perf-notes v14).
 """
 
 from __future__ import annotations
@@ -93,6 +93,17 @@ def _fwd_looped_kernel(
 
 
 @triton.jit
+def _bwd_tile(X, DY, base, ch, ch_mask, hs, HW, HWB: tl.constexpr, ACC: tl.constexpr):
+    """Offsets, mask, x and dy of the [channels, HWB] tile at column ``hs`` of a row at ``base``."""
+    hw = hs + tl.arange(0, HWB)
+    mask = ch_mask[:, None] & (hw < HW)[None, :]
+    at = base + ch[:, None] * HW + hw[None, :]
+    x = tl.load(X + at, mask=mask, other=0.0).to(ACC)
+    dy = tl.load(DY + at, mask=mask, other=0.0).to(ACC)
+    return at, mask, x, dy
+
+
+@triton.jit
 def _bwd_kernel(
     X,  # (N, C, HW) forward input
     DY,  # (N, C, HW) output gradient, contiguous
@@ -102,71 +113,61 @@ def _bwd_kernel(
     Rstd,  # (N * G,)
     DW_part,  # (N, C) out, ACC: sample n's sum of dy * xhat per channel (written when HAS_W)
     DB_part,  # (N, C) out, ACC: sample n's sum of dy per channel (written when HAS_DB)
-    rows,  # N * G; program p takes rows p, p + programs, ... (persistent grid)
     G,
     C,
     HW,
     Cg,
-    CB: tl.constexpr,  # channels per tile
+    CB: tl.constexpr,  # channels per tile; one program per (n, g) row
     HWB: tl.constexpr,  # columns (of HW) per tile
     HAS_W: tl.constexpr,
     HAS_DB: tl.constexpr,
     ACC: tl.constexpr,
 ):
+    row = tl.program_id(0)
+    n = row // G
+    c0 = (row % G) * Cg
+    base = row.to(tl.int64) * Cg * HW
+    mean = tl.load(Mean + row)
+    rstd = tl.load(Rstd + row)
     ci = tl.arange(0, CB)
-    hj = tl.arange(0, HWB)
+    c1 = tl.zeros([CB], ACC)  # per channel slot: sum of w_c * dy * xhat over the row
+    c2 = tl.zeros([CB], ACC)  # sum of w_c * dy
+    for cs in range(0, Cg, CB):
+        ch = cs + ci
+        ch_mask = ch < Cg
+        t_dyx = tl.zeros([CB, HWB], ACC)  # tile accumulators, reduced once per channel block
+        t_dy = tl.zeros([CB, HWB], ACC)
+        for hs in range(0, HW, HWB):
+            _, mask, x, dy = _bwd_tile(X, DY, base, ch, ch_mask, hs, HW, HWB, ACC)
+            t_dyx += tl.where(mask, (x - mean) * rstd, 0.0) * dy
+            t_dy += dy
+        s_dyx = tl.sum(t_dyx, axis=1)
+        s_dy = tl.sum(t_dy, axis=1)
+        part = n.to(tl.int64) * C + c0 + ch
+        if HAS_W:
+            tl.store(DW_part + part, s_dyx, mask=ch_mask)
+            w = tl.load(W + c0 + ch, mask=ch_mask, other=0.0).to(ACC)
+            c1 += w * s_dyx
+            c2 += w * s_dy
+        else:
+            c1 += s_dyx
+            c2 += s_dy
+        if HAS_DB:
+            tl.store(DB_part + part, s_dy, mask=ch_mask)
     inv_l = reciprocal(Cg * HW, ACC)
-    for row in range(tl.program_id(0), rows, tl.num_programs(0)):
-        n = row // G
-        c0 = (row % G) * Cg
-        base = tl.cast(row, tl.int64) * Cg * HW
-        mean = tl.load(Mean + row)
-        rstd = tl.load(Rstd + row)
-        c1 = tl.zeros([CB], ACC)  # per channel slot: sum of w_c * dy * xhat over the row
-        c2 = tl.zeros([CB], ACC)  # sum of w_c * dy
-        for cs in range(0, Cg, CB):
-            ch = cs + ci
-            ch_mask = ch < Cg
-            t_dyx = tl.zeros([CB, HWB], ACC)  # tile accumulators, reduced once per channel block
-            t_dy = tl.zeros([CB, HWB], ACC)
-            for hs in range(0, HW, HWB):
-                hw = hs + hj
-                mask = ch_mask[:, None] & (hw < HW)[None, :]
-                at = base + ch[:, None] * HW + hw[None, :]
-                x = tl.load(X + at, mask=mask, other=0.0).to(ACC)
-                dy = tl.load(DY + at, mask=mask, other=0.0).to(ACC)
-                t_dyx += tl.where(mask, (x - mean) * rstd, 0.0) * dy
-                t_dy += dy
-            s_dyx = tl.sum(t_dyx, axis=1)
-            s_dy = tl.sum(t_dy, axis=1)
-            part = tl.cast(n, tl.int64) * C + c0 + ch
-            if HAS_W:
-                tl.store(DW_part + part, s_dyx, mask=ch_mask)
-                w = tl.load(W + c0 + ch, mask=ch_mask, other=0.0).to(ACC)
-                c1 += w * s_dyx
-                c2 += w * s_dy
-            else:
-                c1 += s_dyx
-                c2 += s_dy
-            if HAS_DB:
-                tl.store(DB_part + part, s_dy, mask=ch_mask)
-        c1_row = tl.sum(c1, axis=0) * inv_l
-        c2_row = tl.sum(c2, axis=0) * inv_l
-        for cs in range(0, Cg, CB):  # second walk: the row is still in L2 (config: few rows in flight)
-            ch = cs + ci
-            ch_mask = ch < Cg
-            if HAS_W:
-                w = tl.load(W + c0 + ch, mask=ch_mask, other=0.0).to(ACC)
-            else:
-                w = tl.full([CB], 1.0, ACC)
-            for hs in range(0, HW, HWB):
-                hw = hs + hj
-                mask = ch_mask[:, None] & (hw < HW)[None, :]
-                at = base + ch[:, None] * HW + hw[None, :]
-                x = tl.load(X + at, mask=mask, other=0.0).to(ACC)
-                dy = tl.load(DY + at, mask=mask, other=0.0).to(ACC)
-                dx = (w[:, None] * dy - ((x - mean) * rstd * c1_row + c2_row)) * rstd
-                tl.store(DX + at, dx.to(DX.dtype.element_ty), mask=mask)
+    c1_row = tl.sum(c1, axis=0) * inv_l
+    c2_row = tl.sum(c2, axis=0) * inv_l
+    for cs in range(0, Cg, CB):  # second walk (mostly from HBM at 100 KB rows: perf-notes v14)
+        ch = cs + ci
+        ch_mask = ch < Cg
+        if HAS_W:
+            w = tl.load(W + c0 + ch, mask=ch_mask, other=0.0).to(ACC)
+        else:
+            w = tl.full([CB], 1.0, ACC)
+        for hs in range(0, HW, HWB):
+            at, mask, x, dy = _bwd_tile(X, DY, base, ch, ch_mask, hs, HW, HWB, ACC)
+            dx = (w[:, None] * dy - ((x - mean) * rstd * c1_row + c2_row)) * rstd
+            tl.store(DX + at, dx.to(DX.dtype.element_ty), mask=mask)
 
 
 def group_norm_fwd(x, weight, bias, num_groups, eps):
@@ -195,7 +196,7 @@ def group_norm_bwd(dy, x, weight, mean, rstd, num_groups, bias_dtype):
     """-> (dx, dweight, dbias), None where the forward had no weight / bias."""
     N, C, HW = x.shape
     Cg = C // num_groups
-    cfg = config.group_norm_backward(N * num_groups, Cg, HW, x.dtype, x.device)
+    cfg = config.group_norm_backward(N * num_groups, Cg, HW, x.dtype)
     dx = torch.empty_like(x)
     acc = config.acc_dtype(x.dtype)
     has_w, has_db = weight is not None, bias_dtype is not None
@@ -204,8 +205,8 @@ def group_norm_bwd(dy, x, weight, mean, rstd, num_groups, bias_dtype):
     dw_part = mean if dw_part is None else dw_part  # a placeholder pointer when unused
     db_part = mean if db_part is None else db_part
     launch(_bwd_kernel, cfg.grid,
-        x, dy, dx, weight if has_w else x, mean, rstd, dw_part, db_part, N * num_groups, num_groups, C, HW,
-        Cg, CB=cfg.row_block, HWB=cfg.hw_block, HAS_W=has_w, HAS_DB=has_db,
+        x, dy, dx, weight if has_w else x, mean, rstd, dw_part, db_part, num_groups, C, HW, Cg,
+        CB=cfg.row_block, HWB=cfg.hw_block, HAS_W=has_w, HAS_DB=has_db,
         ACC=config.tl_acc_dtype(x.dtype), num_warps=cfg.num_warps,
     )  # fmt: skip
     dweight, dbias = reduce.sum_partials(part_buf, grad_dtypes)

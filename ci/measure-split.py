@@ -4,8 +4,17 @@ Chose config.SPLIT_FWD / SPLIT_BWD / SPLIT_SOFTMAX_BWD. Run on a
 GPU: python3 ci/measure-split.py [quick]. Prints, per op / N / setting, the forward and backward
 as fractions of a device copy measured in the same run (bf16, M * N = 2^27), each output checked
 against the reference first.
+
+python3 ci/measure-split.py {fwd,bwd,softmax-bwd} [dtypes]: the split settings (chunk, warps,
+register cap, most chunks a row, prefetch) of the row-norm / softmax forward, the row-norm backward
+or the softmax backward; GPU time only of the CUDA backend's raw calls (``measure-host-bound.gpu_ms``)
+at N = 16384 ... 262144, next to the kernels without split rows (docs/perf-notes v15).
 """
 
+import functools
+import importlib.util
+import itertools
+import pathlib
 import sys
 
 import torch
@@ -25,11 +34,13 @@ def setting(name):
     config.SPLIT_FWD, config.SPLIT_BWD, config.SPLIT_SOFTMAX_BWD, config.MAX_REGISTERS = DEFAULTS
     if name == "nosplit":
         off = (1 << 20, 4, 256, 0)  # no row has at most 0 chunks
-        config.SPLIT_FWD = config.SPLIT_BWD = config.SPLIT_SOFTMAX_BWD = off
+        config.SPLIT_SOFTMAX_BWD = off
+        config.SPLIT_FWD = {key: off for key in DEFAULTS[0]}
+        config.SPLIT_BWD = {key: off for key in DEFAULTS[1]}
     elif name.startswith("fwd"):
         chunk, rest = name[3:].split("x")
         warps, cap = rest.split("r")
-        config.SPLIT_FWD = (int(chunk), int(warps), int(cap), 256)
+        config.SPLIT_FWD = {key: (int(chunk), int(warps), int(cap), 256) for key in DEFAULTS[0]}
     config.clear_caches()
 
 
@@ -68,7 +79,86 @@ def case(op, m, n, dtype):
     return 2 * m * n * elt / fwd / 1e6, 3 * m * n * elt / bwd / 1e6
 
 
+SWEEPS = {  # kind -> (config attribute, settings (chunk, warps, register cap, most chunks, prefetch))
+    "bwd": ("SPLIT_BWD", [(c, w, r, k, p) for (c, w, r), k, p in itertools.product(
+        ((2048, 4, 128), (4096, 4, 256), (4096, 8, 128), (8192, 8, 256)), (32, 128), (True, False))]),
+    "fwd": ("SPLIT_FWD", [(c, w, r, 64, False) for c, w, r in (
+        (4096, 4, 64), (4096, 4, 96), (4096, 4, 128), (2048, 4, 64), (8192, 8, 64), (8192, 8, 96))]),
+    "softmax-bwd": ("SPLIT_SOFTMAX_BWD", [(c, w, r, k, p) for (c, w, r), k, p in itertools.product(
+        ((4096, 4, 256), (8192, 4, 256), (8192, 8, 128)), (32, 64), (True, False))]),
+}  # fmt: skip
+
+
+def _calls(kind, dtype, n):
+    """(op name, call, units of M * N elements moved) for the raw CUDA-backend calls of ``kind``."""
+    from normkit.backends.cuda import layer_norm as ln
+    from normkit.backends.cuda import softmax as sm
+
+    x = torch.randn((1 << 27) // n, n, device="cuda", dtype=dtype)
+    w, b = torch.randn(n, device="cuda", dtype=dtype), torch.randn(n, device="cuda", dtype=dtype)
+    dy = torch.randn_like(x)
+    if kind == "softmax-bwd":
+        y = torch.softmax(x.float(), -1).to(dtype)
+        return [("softmax", functools.partial(sm.softmax_bwd, dy, y, False), 3),
+                ("log_softmax", functools.partial(sm.softmax_bwd, dy, y.float().log().to(dtype), True), 3)]
+    if kind == "fwd":
+        return [("layer_norm", functools.partial(ln._forward, x, w, b, 1e-5, False), 2),
+                ("rms_norm", functools.partial(ln._forward, x, w, None, 1e-5, True), 2),
+                ("softmax", functools.partial(sm.softmax_fwd, x, False), 2)]
+    xf = x.float()
+    out = []
+    for is_rms in (False, True):
+        rstd = ((xf.pow(2).mean(1) if is_rms else xf.var(1, unbiased=False)) + 1e-5).rsqrt()
+        call = functools.partial(ln._backward, dy, x, w, xf.mean(1), rstd, None if is_rms else dtype, is_rms)
+        out.append(("rms_norm" if is_rms else "layer_norm", call, 3))
+    return out
+
+
+def _name(split):
+    if split is None:
+        return "nosplit"
+    chunk, warps, cap, most, prefetch = split
+    return f"{chunk}x{warps}r{cap}k{most}{'P' if prefetch else '-'}"
+
+
+def sweep(kind, dtypes):
+    """GPU time only of each split setting of ``kind`` next to the looped kernel (module doc)."""
+    path = pathlib.Path(__file__).with_name("measure-host-bound.py")
+    spec = importlib.util.spec_from_file_location("mhb", path)
+    mhb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mhb)
+    attr, settings = SWEEPS[kind]
+    default = getattr(config, attr)
+    keys = list(default) if isinstance(default, dict) else None
+    copy = copy_gbps()
+    print(f"{torch.cuda.get_device_name()}, split {kind} sweep; copy {copy:.0f} GB/s", flush=True)
+    for dtype, n in itertools.product(dtypes, (16384, 32768, 65536, 131072, 262144)):
+        dt = getattr(torch, dtype)
+        for op, fn, units in _calls(kind, dt, n):
+            ref = fn()
+            ref = ref[0] if isinstance(ref, tuple) else ref
+            res = []
+            for split in [None, *settings]:
+                value = split or (1 << 20, 4, 256, 0)  # None: no row splits (fused or looped)
+                setattr(config, attr, {key: value for key in keys} if keys else value)
+                config.clear_caches()
+                out = fn()
+                out = out[0] if isinstance(out, tuple) else out
+                err = (out.float() - ref.float()).abs() - 0.02 * ref.float().abs()
+                assert err.max() <= 0.05, (op, split)
+                frac = units * ref.numel() * ref.element_size() / mhb.gpu_ms(fn, 10) / 1e6 / copy
+                res.append((frac, _name(split)))
+            setattr(config, attr, default)
+            config.clear_caches()
+            base = res[0][0]
+            res.sort(reverse=True)
+            best = " ".join(f"{f:.3f}({name})" for f, name in res[:6])
+            print(f"{op} {dtype} {n}: nosplit {base:.3f} | {best}", flush=True)
+
+
 def main():
+    if sys.argv[1:2] and sys.argv[1] in SWEEPS:
+        return sweep(sys.argv[1], sys.argv[2].split(",") if len(sys.argv) > 2 else ["bfloat16"])
     quick = "quick" in sys.argv[1:]
     copy = copy_gbps()
     print(f"device copy {copy:.0f} GB/s", flush=True)

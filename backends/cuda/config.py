@@ -41,24 +41,44 @@ class _FusedBwd:
     programs_per_sm: int  # persistent grid; each program owns one fp32 dweight/dbias partial row
     elements_per_thread: int  # per tensor: sets num_warps from the tile size
     tile_elements: int  # rows per tile = tile_elements // BLOCK_N
+    prefetch: bool  # load the next row tile before this one's reductions (two tiles in flight)
 
 
-# Fused backward launch table, from ci/measure-bwd-grid.py on H100, bf16, M*N = 2^27 (fraction of
-# copy of the best setting; docs/perf-notes.md v3). LayerNorm: 0.39 at N = 256, 0.71 at 1024,
-# 0.79 at 4096, 0.81 at 8192. RMSNorm: 0.63, 0.83, 0.89, 0.86. The worst settings at the same N
-# were 0.16-0.54, so the table matters; N = 16384 (RMSNorm only) follows the 8192 entry.
+# Fused backward launch table, keyed by (is_rms, element size >= 4 bytes), from
+# ci/measure-bwd-grid.py on H100, M*N = 2^27, GPU time only (fraction of copy of the chosen entry;
+# docs/perf-notes.md v15). 16-bit (bf16 / fp16 measured alike): LayerNorm 0.93 at N = 64-256,
+# 0.94-0.96 at 512-4096, 0.88-0.89 at 8192; RMSNorm 0.94-0.97 at 64-8192, 0.76-0.82 at 16384.
+# fp32: LayerNorm 0.95-1.00 at 64-8192; RMSNorm 0.96-0.98 at 64-8192, 0.73 at 16384. The worst
+# settings at the same N read 0.35-0.75. Prefetch (two row tiles in flight per program) was worth
+# 0.03-0.10 in most 16-bit cells and spills at 16384 (0.06-0.12); fp32 at N <= 2048 prefers 8 warps
+# per SM without it. fp64 uses the fp32 entries (its fused limit is halved).
 FUSED_BWD = {
-    False: (  # LayerNorm
-        _FusedBwd(512, 2, 32, 8192),
-        _FusedBwd(2048, 4, 32, 2048),
-        _FusedBwd(4096, 2, 16, 8192),
-        _FusedBwd(8192, 2, 16, 2048),
+    (False, False): (  # LayerNorm, 16-bit
+        _FusedBwd(128, 1, 16, 8192, False),
+        _FusedBwd(256, 1, 32, 8192, True),
+        _FusedBwd(2048, 4, 16, 2048, True),
+        _FusedBwd(4096, 2, 16, 2048, True),
+        _FusedBwd(8192, 1, 16, 2048, True),
     ),
-    True: (  # RMSNorm
-        _FusedBwd(512, 2, 32, 8192),
-        _FusedBwd(2048, 4, 32, 2048),
-        _FusedBwd(4096, 2, 32, 2048),
-        _FusedBwd(16384, 1, 16, 2048),
+    (True, False): (  # RMSNorm, 16-bit
+        _FusedBwd(256, 1, 16, 8192, True),
+        _FusedBwd(2048, 4, 16, 2048, True),
+        _FusedBwd(4096, 2, 16, 2048, True),
+        _FusedBwd(8192, 1, 16, 2048, True),
+        _FusedBwd(16384, 1, 32, 8192, False),
+    ),
+    (False, True): (  # LayerNorm, fp32 / fp64
+        _FusedBwd(256, 1, 32, 8192, True),
+        _FusedBwd(2048, 1, 32, 8192, False),
+        _FusedBwd(4096, 1, 32, 8192, True),
+        _FusedBwd(8192, 1, 16, 8192, True),
+    ),
+    (True, True): (  # RMSNorm, fp32 / fp64
+        _FusedBwd(256, 1, 32, 8192, True),
+        _FusedBwd(2048, 1, 32, 8192, False),
+        _FusedBwd(4096, 1, 32, 8192, True),
+        _FusedBwd(8192, 1, 16, 8192, True),
+        _FusedBwd(16384, 1, 16, 8192, False),
     ),
 }
 
@@ -77,14 +97,31 @@ LOOPED_PROGRAMS_PER_SM = 2
 REGISTERS_PER_SM = 65536
 MAX_WARPS_PER_SM = 64
 MAX_REGISTERS = 256
-# (chunk elements, num_warps, register cap, most chunks per row). Backward: x, dy and the
-# dweight/dbias partials in registers. More than 32 chunks per row (bf16 N > 131072) made the
-# row barrier the bottleneck: LayerNorm backward 0.45 vs 0.56 looped at N = 262144 (perf-notes v5).
-SPLIT_BWD = (4096, 4, MAX_REGISTERS, 32)
-SPLIT_SOFTMAX_BWD = (8192, 4, MAX_REGISTERS, 32)  # y and dy in registers
-# Forward: the chunk is read again from L2 after the barrier instead of being held in registers,
-# so a register cap allows many programs per SM to hide each other's barrier (perf-notes v6).
-SPLIT_FWD = (4096, 4, 64, 64)
+# (chunk elements, num_warps, register cap, most chunks per row[, prefetch]). Backward: x, dy and
+# the dweight/dbias partials in registers, keyed like FUSED_BWD by (is_rms, element size >= 4).
+# More than 32 chunks per row (bf16 N > 131072) made the row barrier the bottleneck: LayerNorm
+# backward 0.45 vs 0.56 looped at N = 262144 (perf-notes v5). Prefetching the next row's chunk
+# before the barrier (ci/measure-split.py bwd, H100, GPU time only; perf-notes v15): bf16
+# LayerNorm 0.61 -> 0.64-0.67 at N = 16384-65536, RMSNorm 0.53-0.61 -> 0.70-0.72 at 8 warps and a
+# 128-register cap; fp32 gains nothing from it and reads 0.80-0.87 at N = 16384-131072 with up to
+# 128 chunks a row (0.69-0.76 at 262144; looped 0.59).
+SPLIT_BWD = {
+    (False, False): (4096, 4, MAX_REGISTERS, 32, True),
+    (True, False): (4096, 8, 128, 32, True),
+    (False, True): (4096, 4, MAX_REGISTERS, 128, False),
+    (True, True): (4096, 4, MAX_REGISTERS, 128, False),
+}
+# Softmax backward: y and dy in registers; prefetching the next row's chunks took bf16 softmax /
+# log_softmax from 0.82-0.86 / 0.75-0.83 to 0.91-0.93 / 0.90 at N = 65536-262144 (8 warps, a
+# 128-register cap; ci/measure-split.py softmax-bwd, H100, GPU time only; perf-notes v15).
+SPLIT_SOFTMAX_BWD = (8192, 8, 128, 32, True)
+# Forward, keyed by element size >= 4 bytes: the chunk is read again from L2 after the barrier
+# instead of being held in registers, so a register cap allows many programs per SM to hide each
+# other's barrier (perf-notes v6). Re-swept (ci/measure-split.py fwd, H100, GPU time only; perf-notes
+# v15): 16-bit 8192-element chunks at 8 warps read 0.67-0.84 at N = 65536-262144 (4096 x 4 warps:
+# 0.60-0.81); fp32 a 96-register cap 0.72-0.85 (64: 0.65-0.70). Prefetching the next row's chunk,
+# as the backward does, was slower in every forward cell (0.59-0.75).
+SPLIT_FWD = {False: (8192, 8, 64, 64), True: (4096, 4, 96, 64)}
 
 # Partial-sum reduction tiles. A first version had one program per 1024 columns walking the G
 # partial rows one load at a time: at N = 256 that single program's G dependent loads cost as
@@ -127,6 +164,7 @@ class LaunchConfig:
     fused: bool  # the whole row fits one tile held in registers
     split: int = 1  # programs sharing one row (split rows, coop.py); grid = row groups x split
     maxnreg: int = MAX_REGISTERS  # register cap per thread the kernel is compiled with (split rows)
+    prefetch: bool = False  # backward: load the next row tile / row during this one
 
 
 @functools.lru_cache(maxsize=64)
@@ -186,7 +224,8 @@ def _row_sweep(M: int, N: int, dtype: torch.dtype, fused_max: int) -> LaunchConf
 
 
 def split_row(M: int, N: int, dtype: torch.dtype, device: torch.device, chunk: int, warps: int,
-              maxnreg: int = MAX_REGISTERS, max_chunks: int = 32) -> LaunchConfig | None:  # fmt: skip
+              maxnreg: int = MAX_REGISTERS, max_chunks: int = 32, prefetch: bool = False,
+              ) -> LaunchConfig | None:  # fmt: skip
     """Split-row launch (coop.py) for ``device``, or None where it cannot run: CPU tensors (the
     interpreter runs programs one at a time, so a row barrier would never open) and rows needing
     more chunks than co-resident programs (or than ``max_chunks``). grid = row groups x
@@ -201,7 +240,7 @@ def split_row(M: int, N: int, dtype: torch.dtype, device: torch.device, chunk: i
     if chunks > min(programs, max_chunks):
         return None
     groups = max(1, min(M, programs // chunks))
-    return LaunchConfig(chunk, warps, 1, (groups * chunks,), False, chunks, maxnreg)
+    return LaunchConfig(chunk, warps, 1, (groups * chunks,), False, chunks, maxnreg, prefetch)
 
 
 @_memoized
@@ -213,7 +252,7 @@ def forward(M: int, N: int, dtype: torch.dtype, device: torch.device) -> LaunchC
     barrier's latency is not hidden."""
     cfg = _row_sweep(M, N, dtype, FUSED_MAX_N_FWD)
     if not cfg.fused:
-        cfg = split_row(M, N, dtype, device, *SPLIT_FWD) or cfg
+        cfg = split_row(M, N, dtype, device, *SPLIT_FWD[dtype.itemsize >= 4]) or cfg
     return cfg
 
 
@@ -253,13 +292,13 @@ def backward(M: int, N: int, dtype: torch.dtype, device: torch.device, is_rms: b
     """
     block = triton.next_power_of_2(N)
     if block <= _fused_max(FUSED_MAX_N_BWD[is_rms], dtype):
-        entry = next(e for e in FUSED_BWD[is_rms] if block <= e.max_n)
+        entry = next(e for e in FUSED_BWD[is_rms, dtype.itemsize >= 4] if block <= e.max_n)
         rows = max(1, min(MAX_ROWS_PER_PROGRAM, entry.tile_elements // block, triton.next_power_of_2(M)))
         grid = min(entry.programs_per_sm * sm_count(device), triton.cdiv(M, rows))
         per_warp = 32 * entry.elements_per_thread
         warps = max(4, min(32, triton.next_power_of_2(max(1, rows * block // per_warp))))
-        return LaunchConfig(block, warps, rows, (grid,), True)
-    split = split_row(M, N, dtype, device, *SPLIT_BWD)
+        return LaunchConfig(block, warps, rows, (grid,), True, prefetch=entry.prefetch)
+    split = split_row(M, N, dtype, device, *SPLIT_BWD[is_rms, dtype.itemsize >= 4])
     if split is not None:
         return split
     programs = LOOPED_PROGRAMS_PER_SM * sm_count(device)

@@ -7,10 +7,11 @@ the result is bitwise reproducible) and finishes its chunk from registers. x is 
 once, where the looped kernels read it twice.
 
 The wait is a spin on a global counter, so all K programs of a row must be resident at the same
-time. ``config.split_row`` guarantees it: the grid never exceeds ``SPLIT_PROGRAMS_PER_SM`` x SMs
-and ``num_warps x SPLIT_PROGRAMS_PER_SM <= 8``, which fits on one SM whatever the kernel's register
-count (8 warps x 32 threads x 255 registers < 64 K). Programs of other kernels running at the same
-time only delay ours. Not for the Triton interpreter (programs run one after another there):
+time. ``config.split_row`` guarantees it: the kernel is compiled with a register cap (``maxnreg``)
+and the grid never exceeds the programs per SM that the register file holds at that cap (64 K
+registers // (threads x cap), within 64 warps) times the SMs. Programs of other kernels running at
+the same time only delay ours. The backward kernels may prefetch the next row's chunk
+(``load_chunk``) before a row's barrier, so that its HBM latency overlaps the wait. Not for the Triton interpreter (programs run one after another there):
 ``config.split_row`` returns None for CPU tensors, and the looped kernels serve.
 """
 
@@ -33,6 +34,13 @@ def arrive_and_wait(Count, K):
     tl.atomic_add(Count, 1, sem="release", scope="gpu")
     while tl.atomic_add(Count, 0, sem="acquire", scope="gpu") < K:
         pass
+
+
+@triton.jit
+def load_chunk(PTR, row, stride, cols, mask, M, other):
+    """Row ``row``'s chunk ``cols`` of a (M, N) tensor in its dtype; ``other`` outside the mask or
+    past the last row (the prefetch of the row after a group's last)."""
+    return tl.load(PTR + tl.cast(row, tl.int64) * stride + cols, mask=mask & (row < M), other=other)
 
 
 def workspace(M: int, parts: int, chunks_pow2: int, acc: torch.dtype, device):

@@ -35,7 +35,7 @@ from normkit.backends.common import (
 )
 from normkit.backends.cuda import config, coop, reduce
 from normkit.backends.cuda.launch import launch
-from normkit.backends.cuda.coop import arrive_and_wait
+from normkit.backends.cuda.coop import arrive_and_wait, load_chunk
 from normkit.backends.row_norm_contract import row_norm_contract
 
 
@@ -278,6 +278,16 @@ def _fwd_split_kernel(
 
 
 @triton.jit
+def _load_rows(X, DY, rows, cols, col_mask, M, stride_x, stride_dy):
+    """x and dy of ``rows`` ([ROWS]) x ``cols`` ([BLOCK_N]), in their dtypes; 0 outside M x N."""
+    mask = (rows < M)[:, None] & col_mask[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0)
+    dy = tl.load(DY + r64 * stride_dy + cols[None, :], mask=mask, other=0.0)
+    return x, dy
+
+
+@triton.jit
 def _bwd_fused_kernel(
     X,  # (M, N) forward input rows (h for the add-norm); row stride stride_x
     DY,  # (M, N) output gradient rows; row stride stride_dy
@@ -308,24 +318,38 @@ def _bwd_fused_kernel(
     HAS_DRES: tl.constexpr,
     DROPOUT: tl.constexpr,
     ACC: tl.constexpr,
+    PREFETCH: tl.constexpr,  # load the next row tile during this one (config.backward)
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
     if HAS_W:
         w = tl.load(W + cols, mask=col_mask, other=0.0).to(ACC)
-    dw = tl.zeros([BLOCK_N], ACC)
-    db = tl.zeros([BLOCK_N], ACC)
+    # Tile-shaped partials: summed over the tile's rows once, after the loop (an in-loop
+    # tl.sum(axis=0) is a cross-warp reduction through shared memory for every row tile).
+    dw = tl.zeros([ROWS, BLOCK_N], ACC)
+    db = tl.zeros([ROWS, BLOCK_N], ACC)
     inv_n = reciprocal(N, ACC)
     # Persistent: program pid takes row tiles pid, pid + G, pid + 2G, ... (a fixed assignment, so
     # the partial sums, and hence dweight/dbias, are the same on every run).
+    # PREFETCH: the next tile's x and dy are loaded before this tile's reductions, so their HBM
+    # latency overlaps this tile's work (one program then keeps two tiles of loads in flight).
+    tile_rows = tl.arange(0, ROWS)
+    step = tl.num_programs(0) * ROWS
+    if PREFETCH:
+        x_next, dy_next = _load_rows(X, DY, pid * ROWS + tile_rows, cols, col_mask, M, stride_x, stride_dy)
     for tile in range(pid, tl.cdiv(M, ROWS), tl.num_programs(0)):
-        rows = tile * ROWS + tl.arange(0, ROWS)
+        rows = tile * ROWS + tile_rows
         row_mask = rows < M
         mask = row_mask[:, None] & col_mask[None, :]
         r64 = rows.to(tl.int64)[:, None]
-        x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(ACC)
-        dy = tl.load(DY + r64 * stride_dy + cols[None, :], mask=mask, other=0.0).to(ACC)
+        if PREFETCH:
+            x, dy = x_next, dy_next
+            x_next, dy_next = _load_rows(X, DY, rows + step, cols, col_mask, M, stride_x, stride_dy)
+        else:
+            x, dy = _load_rows(X, DY, rows, cols, col_mask, M, stride_x, stride_dy)
+        x = x.to(ACC)
+        dy = dy.to(ACC)
         rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)[:, None]
         if IS_RMS:
             mean = 0.0
@@ -348,13 +372,13 @@ def _bwd_fused_kernel(
                            mask, seed, at, p, scale, HAS_DH, HAS_DRES, DROPOUT)  # fmt: skip
         tl.store(DX + r64 * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         if HAS_W:
-            dw += tl.sum(dy * xhat, axis=0)
+            dw += dy * xhat
         if HAS_DB:
-            db += tl.sum(dy, axis=0)
+            db += dy
     if HAS_W:
-        tl.store(DW_part + pid * N + cols, dw, mask=col_mask)
+        tl.store(DW_part + pid * N + cols, tl.sum(dw, axis=0), mask=col_mask)
     if HAS_DB:
-        tl.store(DB_part + pid * N + cols, db, mask=col_mask)
+        tl.store(DB_part + pid * N + cols, tl.sum(db, axis=0), mask=col_mask)
 
 
 @triton.jit
@@ -508,6 +532,7 @@ def _bwd_split_kernel(
     HAS_DRES: tl.constexpr,
     DROPOUT: tl.constexpr,
     ACC: tl.constexpr,
+    PREFETCH: tl.constexpr,  # load the next row's chunk during this row (config.split_row)
 ):
     pid = tl.program_id(0)
     groups = tl.num_programs(0) // K
@@ -521,10 +546,22 @@ def _bwd_split_kernel(
     db = tl.zeros([CHUNK], ACC)
     ks = tl.arange(0, KP)
     inv_n = reciprocal(N, ACC)
+    # PREFETCH: the next row's chunk is loaded before this row's barrier, so the HBM latency of
+    # the next row overlaps the wait for the other chunks' partials.
+    if PREFETCH:
+        x_next = load_chunk(X, group, stride_x, cols, mask, M, 0.0)
+        dy_next = load_chunk(DY, group, stride_dy, cols, mask, M, 0.0)
     for row in range(group, M, groups):
         r64 = tl.cast(row, tl.int64)
-        x = tl.load(X + r64 * stride_x + cols, mask=mask, other=0.0).to(ACC)
-        dy = tl.load(DY + r64 * stride_dy + cols, mask=mask, other=0.0).to(ACC)
+        if PREFETCH:
+            x, dy = x_next, dy_next
+            x_next = load_chunk(X, row + groups, stride_x, cols, mask, M, 0.0)
+            dy_next = load_chunk(DY, row + groups, stride_dy, cols, mask, M, 0.0)
+        else:
+            x = load_chunk(X, row, stride_x, cols, mask, M, 0.0)
+            dy = load_chunk(DY, row, stride_dy, cols, mask, M, 0.0)
+        x = x.to(ACC)
+        dy = dy.to(ACC)
         rstd = tl.load(Rstd + row)
         if IS_RMS:
             mean = 0.0
@@ -630,14 +667,14 @@ def _backward(dy, x, weight, mean, rstd, bias_dtype, is_rms, dh=None, x_dtype=No
     if cfg.fused:
         launch(_bwd_fused_kernel, cfg.grid,
             x, dy, dh_, dx, dres_, w, mean, rstd, dw_part, db_part, *strides, M, N, *drop,
-            ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size, **flags,
+            ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size, PREFETCH=cfg.prefetch, **flags,
         )  # fmt: skip
     elif cfg.split > 1:
         kp = coop.chunks_pow2(cfg.split)
         part, count = coop.workspace(M, 2, kp, acc, x.device)
         launch(_bwd_split_kernel, cfg.grid,
             x, dy, dh_, dx, dres_, w, mean, rstd, part, count, dw_part, db_part, *strides, M, N,
-            cfg.split, *drop, CHUNK=cfg.block_size, KP=kp, **flags,
+            cfg.split, *drop, CHUNK=cfg.block_size, KP=kp, PREFETCH=cfg.prefetch, **flags,
         )  # fmt: skip
     else:
         c1 = torch.empty(M, dtype=acc, device=x.device)

@@ -15,7 +15,7 @@ import triton.language as tl
 from normkit.backends.common import online_max_sum
 from normkit.backends.cuda import config, coop
 from normkit.backends.cuda.launch import launch
-from normkit.backends.cuda.coop import arrive_and_wait
+from normkit.backends.cuda.coop import arrive_and_wait, load_chunk
 
 
 @triton.jit
@@ -202,6 +202,7 @@ def _bwd_split_kernel(
     KP: tl.constexpr,
     LOG: tl.constexpr,
     ACC: tl.constexpr,
+    PREFETCH: tl.constexpr,  # load the next row's chunks during this row (config.split_row)
 ):
     pid = tl.program_id(0)
     groups = tl.num_programs(0) // K
@@ -209,10 +210,18 @@ def _bwd_split_kernel(
     cols = k * CHUNK + tl.arange(0, CHUNK)
     mask = cols < N
     ks = tl.arange(0, KP)
+    if PREFETCH:
+        dy_next = load_chunk(DY, pid // K, stride_dy, cols, mask, M, 0.0)
+        y_next = load_chunk(Y, pid // K, stride_y, cols, mask, M, 0.0)
     for row in range(pid // K, M, groups):
         r64 = tl.cast(row, tl.int64)
-        dy = tl.load(DY + r64 * stride_dy + cols, mask=mask, other=0.0).to(ACC)
-        y = tl.load(Y + r64 * stride_y + cols, mask=mask, other=0.0).to(ACC)
+        if PREFETCH:
+            dy, y = dy_next.to(ACC), y_next.to(ACC)
+            dy_next = load_chunk(DY, row + groups, stride_dy, cols, mask, M, 0.0)
+            y_next = load_chunk(Y, row + groups, stride_y, cols, mask, M, 0.0)
+        else:
+            dy = load_chunk(DY, row, stride_dy, cols, mask, M, 0.0).to(ACC)
+            y = load_chunk(Y, row, stride_y, cols, mask, M, 0.0).to(ACC)
         part = Part + r64 * KP
         if LOG:
             tl.store(part + k, tl.sum(dy, axis=0))
@@ -261,7 +270,7 @@ def softmax_bwd(dy, y, log):
         kp = coop.chunks_pow2(cfg.split)
         part, count = coop.workspace(M, 1, kp, config.acc_dtype(y.dtype), y.device)
         launch(_bwd_split_kernel, cfg.grid, dy, y, dx, *strides, part, count, M, N, cfg.split,
-                                    CHUNK=cfg.block_size, KP=kp, **flags)  # fmt: skip
+                                    CHUNK=cfg.block_size, KP=kp, PREFETCH=cfg.prefetch, **flags)  # fmt: skip
     else:
         launch(_bwd_looped_kernel, cfg.grid, dy, y, dx, *strides, N, BLOCK_N=cfg.block_size, **flags)
     return dx

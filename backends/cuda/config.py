@@ -101,19 +101,21 @@ MAX_REGISTERS = 256
 # the dweight/dbias partials in registers, keyed like FUSED_BWD by (is_rms, element size >= 4).
 # More than 32 chunks per row (bf16 N > 131072) made the row barrier the bottleneck: LayerNorm
 # backward 0.45 vs 0.56 looped at N = 262144 (perf-notes v5). Prefetching the next row's chunk
-# before the barrier (ci/measure-split.py bwd, H100, GPU time only; perf-notes v15): bf16
-# LayerNorm 0.61 -> 0.64-0.67 at N = 16384-65536, RMSNorm 0.53-0.61 -> 0.70-0.72 at 8 warps and a
-# 128-register cap; fp32 gains nothing from it and reads 0.80-0.87 at N = 16384-131072 with up to
-# 128 chunks a row (0.69-0.76 at 262144; looped 0.59).
+# before the barrier, 8 warps at a 128-register cap (ci/measure-split.py bwd, H100, GPU time only;
+# perf-notes v15): bf16 LayerNorm 0.61 -> 0.68-0.69 at N = 16384-65536 (0.64 at 131072), RMSNorm
+# 0.53-0.61 -> 0.69-0.72 at 32768-131072 (4 warps at that cap spill: 0.15-0.44); fp32 gains
+# nothing from prefetch and reads 0.80-0.87 at N = 16384-131072 with up to 128 chunks a row
+# (0.69-0.76 at 262144; looped 0.59).
 SPLIT_BWD = {
-    (False, False): (4096, 4, MAX_REGISTERS, 32, True),
+    (False, False): (4096, 8, 128, 32, True),
     (True, False): (4096, 8, 128, 32, True),
     (False, True): (4096, 4, MAX_REGISTERS, 128, False),
     (True, True): (4096, 4, MAX_REGISTERS, 128, False),
 }
 # Softmax backward: y and dy in registers; prefetching the next row's chunks took bf16 softmax /
-# log_softmax from 0.82-0.86 / 0.75-0.83 to 0.91-0.93 / 0.90 at N = 65536-262144 (8 warps, a
-# 128-register cap; ci/measure-split.py softmax-bwd, H100, GPU time only; perf-notes v15).
+# log_softmax from 0.82-0.86 / 0.75-0.83 to 0.91-0.92 / 0.90 at N = 65536-262144 (8 warps, a
+# 128-register cap; at 168 or 256 registers 0.63-0.75; ci/measure-split.py softmax-bwd, H100, GPU
+# time only; perf-notes v15).
 SPLIT_SOFTMAX_BWD = (8192, 8, 128, 32, True)
 # Forward, keyed by element size >= 4 bytes: the chunk is read again from L2 after the barrier
 # instead of being held in registers, so a register cap allows many programs per SM to hide each

@@ -11,8 +11,9 @@ time. ``config.split_row`` guarantees it: the kernel is compiled with a register
 and the grid never exceeds the programs per SM that the register file holds at that cap (64 K
 registers // (threads x cap), within 64 warps) times the SMs. Programs of other kernels running at
 the same time only delay ours. The backward kernels may prefetch the next row's chunk
-(``load_chunk``) before a row's barrier, so that its HBM latency overlaps the wait. Not for the Triton interpreter (programs run one after another there):
-``config.split_row`` returns None for CPU tensors, and the looped kernels serve.
+(``load_chunk``) before a row's barrier, so that its HBM latency overlaps the wait. Not for the
+Triton interpreter (programs run one after another there): ``config.split_row`` returns None for
+CPU tensors, and the looped kernels serve.
 """
 
 from __future__ import annotations

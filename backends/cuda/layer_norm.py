@@ -674,7 +674,8 @@ def _backward(dy, x, weight, mean, rstd, bias_dtype, is_rms, dh=None, x_dtype=No
         part, count = coop.workspace(M, 2, kp, acc, x.device)
         launch(_bwd_split_kernel, cfg.grid,
             x, dy, dh_, dx, dres_, w, mean, rstd, part, count, dw_part, db_part, *strides, M, N,
-            cfg.split, *drop, CHUNK=cfg.block_size, KP=kp, PREFETCH=cfg.prefetch, **flags,
+            cfg.split, *drop, CHUNK=cfg.block_size, KP=kp, PREFETCH=cfg.prefetch, maxnreg=cfg.maxnreg,
+            **flags,
         )  # fmt: skip
     else:
         c1 = torch.empty(M, dtype=acc, device=x.device)

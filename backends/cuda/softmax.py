@@ -270,7 +270,8 @@ def softmax_bwd(dy, y, log):
         kp = coop.chunks_pow2(cfg.split)
         part, count = coop.workspace(M, 1, kp, config.acc_dtype(y.dtype), y.device)
         launch(_bwd_split_kernel, cfg.grid, dy, y, dx, *strides, part, count, M, N, cfg.split,
-                                    CHUNK=cfg.block_size, KP=kp, PREFETCH=cfg.prefetch, **flags)  # fmt: skip
+                                    CHUNK=cfg.block_size, KP=kp, PREFETCH=cfg.prefetch, maxnreg=cfg.maxnreg,
+                                    **flags)  # fmt: skip
     else:
         launch(_bwd_looped_kernel, cfg.grid, dy, y, dx, *strides, N, BLOCK_N=cfg.block_size, **flags)
     return dx

@@ -59,7 +59,7 @@ def main():
         now = fraction(is_rms, x, dy, w, mean, rstd, copy, 20)
         kind = "fused" if cfg.fused else ("split" if cfg.split > 1 else "looped")
         res = []
-        config.FUSED_MAX_N_BWD = {False: 1 << 30, True: 1 << 30}
+        config.FUSED_MAX_N_BWD = {key: 1 << 30 for key in limit}
         for pps, (ept, tile), pre in SETTINGS:
             entry = config._FusedBwd(1 << 30, pps, ept, tile, pre)
             config.FUSED_BWD = {key: (entry,) for key in table}

@@ -20,7 +20,7 @@ for dtype in (torch.bfloat16, torch.float32):
             m = (1 << 27) // n
             for path, limit in (("fused", 1 << 30), ("looped", 0)):
                 config.FUSED_MAX_N_FWD = limit
-                config.FUSED_MAX_N_BWD = {False: limit, True: limit}
+                config.FUSED_MAX_N_BWD = {key: limit for key in config.FUSED_MAX_N_BWD}
                 config.clear_caches()
                 try:
                     fwd, bwd = bench.measure("normkit", op, m, n, dtype, "cuda")

@@ -36,7 +36,7 @@ def setting(name):
         off = (1 << 20, 4, 256, 0)  # no row has at most 0 chunks
         config.SPLIT_SOFTMAX_BWD = off
         config.SPLIT_FWD = {key: off for key in DEFAULTS[0]}
-        config.SPLIT_BWD = {key: off for key in DEFAULTS[1]}
+        config.SPLIT_BWD = (off,)
     elif name.startswith("fwd"):
         chunk, rest = name[3:].split("x")
         warps, cap = rest.split("r")
@@ -80,12 +80,12 @@ def case(op, m, n, dtype):
 
 
 SWEEPS = {  # kind -> (config attribute, settings (chunk, warps, register cap, most chunks, prefetch))
-    "bwd": ("SPLIT_BWD", [(c, w, r, k, p) for (c, w, r), k, p in itertools.product(
-        ((2048, 4, 128), (4096, 4, 256), (4096, 8, 128), (8192, 8, 256)), (32, 128), (True, False))]),
-    "fwd": ("SPLIT_FWD", [(c, w, r, 64, False) for c, w, r in (
-        (4096, 4, 64), (4096, 4, 96), (4096, 4, 128), (2048, 4, 64), (8192, 8, 64), (8192, 8, 96))]),
-    "softmax-bwd": ("SPLIT_SOFTMAX_BWD", [(c, w, r, k, p) for (c, w, r), k, p in itertools.product(
-        ((4096, 4, 256), (8192, 4, 256), (8192, 8, 128)), (32, 64), (True, False))]),
+    "bwd": ("SPLIT_BWD", [(c, w, r, k, p) for (c, w, r, k), p in itertools.product(
+        ((4096, 8, 128, 32), (4096, 4, 256, 128), (2048, 4, 128, 32), (8192, 8, 256, 32)), (True, False))]),
+    "fwd": ("SPLIT_FWD", [(c, w, r, 64, p) for (c, w, r), p in itertools.product(
+        ((4096, 4, 64), (4096, 4, 96), (8192, 8, 64), (8192, 8, 96)), (True, False))]),
+    "softmax-bwd": ("SPLIT_SOFTMAX_BWD", [(c, w, r, 32, p) for (c, w, r), p in itertools.product(
+        ((8192, 4, 256), (8192, 8, 128), (4096, 8, 128)), (True, False))]),
 }  # fmt: skip
 
 
@@ -140,7 +140,11 @@ def sweep(kind, dtypes):
             res = []
             for split in [None, *settings]:
                 value = split or (1 << 20, 4, 256, 0)  # None: no row splits (fused or looped)
-                setattr(config, attr, {key: value for key in keys} if keys else value)
+                if keys:
+                    value = {key: value for key in keys}
+                elif attr == "SPLIT_BWD":  # settings tried in order
+                    value = (value,)
+                setattr(config, attr, value)
                 config.clear_caches()
                 out = fn()
                 out = out[0] if isinstance(out, tuple) else out

@@ -25,7 +25,10 @@ FUSED_MAX_N_FWD = 32768
 # and sooner for LayerNorm (one more reduction) than RMSNorm. Same run: LayerNorm bf16 fused vs
 # looped 0.59 vs 0.51 at 8192, 0.40 vs 0.52 at 16384; RMSNorm 0.65 vs 0.53 at 16384, 0.15 vs 0.53
 # at 32768 (fp32 alike: LayerNorm 0.38 vs 0.59, RMSNorm 0.70 vs 0.59 at 16384).
-FUSED_MAX_N_BWD = {False: 8192, True: 16384}  # keyed by is_rms
+# Keyed by (is_rms, element size >= 4): fp32 RMSNorm at N = 16384 reads 0.73 fused and LayerNorm
+# 0.92 split (perf-notes v15), so fp32 RMSNorm splits from 16384 too; 16-bit RMSNorm keeps the fused
+# 0.76-0.82 (split LayerNorm: 0.69-0.71).
+FUSED_MAX_N_BWD = {(False, False): 8192, (False, True): 8192, (True, False): 16384, (True, True): 8192}
 # fp64 rows take twice the registers.
 FP64_DIVISOR = 2
 
@@ -98,20 +101,15 @@ REGISTERS_PER_SM = 65536
 MAX_WARPS_PER_SM = 64
 MAX_REGISTERS = 256
 # (chunk elements, num_warps, register cap, most chunks per row[, prefetch]). Backward: x, dy and
-# the dweight/dbias partials in registers, keyed like FUSED_BWD by (is_rms, element size >= 4).
-# More than 32 chunks per row (bf16 N > 131072) made the row barrier the bottleneck: LayerNorm
-# backward 0.45 vs 0.56 looped at N = 262144 (perf-notes v5). Prefetching the next row's chunk
-# before the barrier, 8 warps at a 128-register cap (ci/measure-split.py bwd, H100, GPU time only;
-# perf-notes v15): bf16 LayerNorm 0.61 -> 0.68-0.69 at N = 16384-65536 (0.64 at 131072), RMSNorm
-# 0.53-0.61 -> 0.69-0.72 at 32768-131072 (4 warps at that cap spill: 0.15-0.44); fp32 gains
-# nothing from prefetch and reads 0.80-0.87 at N = 16384-131072 with up to 128 chunks a row
-# (0.69-0.76 at 262144; looped 0.59).
-SPLIT_BWD = {
-    (False, False): (4096, 8, 128, 32, True),
-    (True, False): (4096, 8, 128, 32, True),
-    (False, True): (4096, 4, MAX_REGISTERS, 128, False),
-    (True, True): (4096, 4, MAX_REGISTERS, 128, False),
-}
+# the dweight/dbias partials in registers; settings tried in order, the first that can split the
+# row is used. More than 32 chunks per row (bf16 N > 131072) made the row barrier the bottleneck
+# before prefetch: LayerNorm backward 0.45 vs 0.56 looped at N = 262144 (perf-notes v5). With
+# prefetch (the next row's chunk loaded and its partials published before this row's wait;
+# ci/measure-split.py bwd, H100, GPU time only; perf-notes v15): 2048-element chunks read bf16
+# LayerNorm 0.69-0.72 at N = 16384-65536, RMSNorm 0.73-0.76, fp32 0.92-0.94 (without prefetch
+# 0.60-0.64 / 0.61-0.64 / 0.84-0.89); past 32 chunks, 4096-element chunks at 4 warps read bf16
+# 0.57-0.69 and fp32 0.83-0.92 at 131072-262144 (looped: 0.55-0.59).
+SPLIT_BWD = ((2048, 4, 128, 32, True), (4096, 4, MAX_REGISTERS, 128, True))
 # Softmax backward: y and dy in registers; prefetching the next row's chunks took bf16 softmax /
 # log_softmax from 0.82-0.86 / 0.75-0.83 to 0.91-0.92 / 0.90 at N = 65536-262144 (8 warps, a
 # 128-register cap; at 168 or 256 registers 0.63-0.75; ci/measure-split.py softmax-bwd, H100, GPU
@@ -293,16 +291,17 @@ def backward(M: int, N: int, dtype: torch.dtype, device: torch.device, is_rms: b
     tile; grid[0] row chunks is the number of partial rows.
     """
     block = triton.next_power_of_2(N)
-    if block <= _fused_max(FUSED_MAX_N_BWD[is_rms], dtype):
+    if block <= _fused_max(FUSED_MAX_N_BWD[is_rms, dtype.itemsize >= 4], dtype):
         entry = next(e for e in FUSED_BWD[is_rms, dtype.itemsize >= 4] if block <= e.max_n)
         rows = max(1, min(MAX_ROWS_PER_PROGRAM, entry.tile_elements // block, triton.next_power_of_2(M)))
         grid = min(entry.programs_per_sm * sm_count(device), triton.cdiv(M, rows))
         per_warp = 32 * entry.elements_per_thread
         warps = max(4, min(32, triton.next_power_of_2(max(1, rows * block // per_warp))))
         return LaunchConfig(block, warps, rows, (grid,), True, prefetch=entry.prefetch)
-    split = split_row(M, N, dtype, device, *SPLIT_BWD[is_rms, dtype.itemsize >= 4])
-    if split is not None:
-        return split
+    for setting in SPLIT_BWD:
+        split = split_row(M, N, dtype, device, *setting)
+        if split is not None:
+            return split
     programs = LOOPED_PROGRAMS_PER_SM * sm_count(device)
     col_tiles = triton.cdiv(N, LOOP_BLOCK_BWD)
     chunks = max(1, min(M, triton.cdiv(programs, col_tiles)))

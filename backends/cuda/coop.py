@@ -10,8 +10,10 @@ The wait is a spin on a global counter, so all K programs of a row must be resid
 time. ``config.split_row`` guarantees it: the kernel is compiled with a register cap (``maxnreg``)
 and the grid never exceeds the programs per SM that the register file holds at that cap (64 K
 registers // (threads x cap), within 64 warps) times the SMs. Programs of other kernels running at
-the same time only delay ours. The backward kernels may prefetch the next row's chunk
-(``load_chunk``) before a row's barrier, so that its HBM latency overlaps the wait. Not for the
+the same time only delay ours. Pipelined kernels load the next row's chunk and publish its partials
+(``arrive``) before waiting on this row (``wait``), so a row's barrier latency overlaps the next
+row's load and reductions; the programs of a group still arrive at their rows in the same order.
+Not for the
 Triton interpreter (programs run one after another there): ``config.split_row`` returns None for
 CPU tensors, and the looped kernels serve.
 """
@@ -24,15 +26,18 @@ import triton.language as tl
 
 
 @triton.jit
-def arrive_and_wait(Count, K):
-    """Row barrier: count this program's partial as written, then wait for all K of the row.
-
-    ``Count``: the row's int32 counter (zeroed before the launch). The CTA barrier first makes every
-    thread's partial-sum stores happen before the release increment; the acquire poll makes the
-    other programs' partials visible to the loads that follow (which read through L2: ``.cg``).
-    """
+def arrive(Count):
+    """Count this program's partials of a row as written (``Count``: the row's int32 counter, zeroed
+    before the launch). The CTA barrier first makes every thread's partial-sum stores happen before
+    the release increment."""
     tl.debug_barrier()
     tl.atomic_add(Count, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def wait(Count, K):
+    """Wait until all K programs of the row have arrived; the acquire poll makes their partials
+    visible to the loads that follow (which read through L2: ``.cg``)."""
     while tl.atomic_add(Count, 0, sem="acquire", scope="gpu") < K:
         pass
 

@@ -35,7 +35,7 @@ from normkit.backends.common import (
 )
 from normkit.backends.cuda import config, coop, reduce
 from normkit.backends.cuda.launch import launch
-from normkit.backends.cuda.coop import arrive_and_wait, load_chunk
+from normkit.backends.cuda.coop import arrive, load_chunk, wait
 from normkit.backends.row_norm_contract import row_norm_contract
 
 
@@ -184,6 +184,45 @@ def _fwd_looped_kernel(
 
 
 @triton.jit
+def _row_shift(X, R, r64, stride_x, stride_r, ADD: tl.constexpr, HAS_R: tl.constexpr, ACC: tl.constexpr):
+    """The shift of the split statistics, the same in every chunk of the row: x[row, 0] (plus
+    residual[row, 0] for the add-norm). Any shift gives the same mean and variance; one near the
+    data keeps the chunk sums small."""
+    shift = tl.load(X + r64 * stride_x).to(ACC)
+    if ADD and HAS_R:
+        shift += tl.load(R + r64 * stride_r).to(ACC)
+    return shift
+
+
+@triton.jit
+def _fwd_split_publish(X, R, H, row, stride_x, stride_r, stride_h, Part, Count, k, cols, mask, N, seed,
+                       p, scale, CHUNK: tl.constexpr, KP: tl.constexpr, IS_RMS: tl.constexpr,
+                       ADD: tl.constexpr, HAS_R: tl.constexpr, DROPOUT: tl.constexpr,
+                       ACC: tl.constexpr):  # fmt: skip
+    """Read this chunk of ``row`` (forming and storing h for the add-norm), write its partial
+    statistics to Part and arrive at the row's counter."""
+    r64 = tl.cast(row, tl.int64)
+    x = tl.load(X + r64 * stride_x + cols, mask=mask, other=0.0).to(ACC)
+    if ADD:
+        h = residual_in(x, R + r64 * stride_r + cols, mask, seed, r64 * N + cols, p, scale,
+                        HAS_R, DROPOUT).to(H.dtype.element_ty)  # fmt: skip
+        tl.store(H + r64 * stride_h + cols, h, mask=mask)
+        x = h.to(ACC)
+    part = Part + r64 * (2 * KP)
+    if IS_RMS:
+        tl.store(part + k, tl.sum(x * x, axis=0))
+    else:
+        # Chunk statistics of x - shift (shift = the row's first value, as in the looped kernel):
+        # mean and M2 about the chunk's own mean, merged after the barrier with Chan's formula.
+        xs = tl.where(mask, x - _row_shift(X, R, r64, stride_x, stride_r, ADD, HAS_R, ACC), 0.0)
+        mean_k = tl.sum(xs, axis=0) * reciprocal(tl.minimum(N - k * CHUNK, CHUNK), ACC)
+        d = tl.where(mask, xs - mean_k, 0.0)
+        tl.store(part + k, mean_k)
+        tl.store(part + KP + k, tl.sum(d * d, axis=0))
+    arrive(Count + row)
+
+
+@triton.jit
 def _fwd_split_kernel(
     X,  # (M, N) input rows; row stride stride_x
     R,  # (M, N) residual rows (read when ADD and HAS_R)
@@ -225,35 +264,21 @@ def _fwd_split_kernel(
     ks = tl.arange(0, KP)
     counts = tl.cast(tl.maximum(tl.minimum(N - ks * CHUNK, CHUNK), 0), ACC)  # values per chunk
     inv_n = reciprocal(N, ACC)
+    # Publishing the next row's partials before this row's wait (as the backward does) was slower
+    # here: 0.59-0.72 vs 0.66-0.85 of copy (perf-notes v15).
     for row in range(pid // K, M, groups):
         r64 = tl.cast(row, tl.int64)
-        x = tl.load(X + r64 * stride_x + cols, mask=mask, other=0.0).to(ACC)
-        if ADD:
-            h = residual_in(x, R + r64 * stride_r + cols, mask, seed, r64 * N + cols, p, scale,
-                            HAS_R, DROPOUT).to(H.dtype.element_ty)  # fmt: skip
-            tl.store(H + r64 * stride_h + cols, h, mask=mask)
-            x = h.to(ACC)
+        _fwd_split_publish(X, R, H, row, stride_x, stride_r, stride_h, Part, Count, k, cols, mask,
+                           N, seed, p, scale, CHUNK, KP, IS_RMS, ADD, HAS_R, DROPOUT, ACC)  # fmt: skip
+        wait(Count + row, K)
         part = Part + r64 * (2 * KP)
-        if IS_RMS:
-            shift = 0.0
-            tl.store(part + k, tl.sum(x * x, axis=0))
-        else:
-            # Chunk statistics of x - shift (shift = the row's first value, as in the looped
-            # kernel): mean and M2 about the chunk's own mean, merged below with Chan's formula.
-            shift = tl.load(X + r64 * stride_x).to(ACC)
-            if ADD and HAS_R:
-                shift += tl.load(R + r64 * stride_r).to(ACC)
-            xs = tl.where(mask, x - shift, 0.0)
-            mean_k = tl.sum(xs, axis=0) * reciprocal(tl.minimum(N - k * CHUNK, CHUNK), ACC)
-            d = tl.where(mask, xs - mean_k, 0.0)
-            tl.store(part + k, mean_k)
-            tl.store(part + KP + k, tl.sum(d * d, axis=0))
-        arrive_and_wait(Count + row, K)
         p1 = tl.load(part + ks, mask=ks < K, other=0.0, cache_modifier=".cg")
         if IS_RMS:
+            shift = 0.0
             mean = 0.0
             rstd = 1.0 / tl.sqrt(tl.sum(p1, axis=0) * inv_n + exact_eps(eps, eps_lo, ACC))
         else:
+            shift = _row_shift(X, R, r64, stride_x, stride_r, ADD, HAS_R, ACC)
             p2 = tl.load(part + KP + ks, mask=ks < K, other=0.0, cache_modifier=".cg")
             mean = tl.sum(p1 * counts, axis=0) * inv_n
             dm = p1 - mean
@@ -263,8 +288,8 @@ def _fwd_split_kernel(
             tl.store(Rstd + row, rstd)
             if not IS_RMS:
                 tl.store(Mean + row, shift + mean)
-        # The chunk again, from L2 (read or written just before the barrier): registers stay
-        # free for more programs per SM, which hide each other's wait.
+        # The chunk again, from L2 (read or written just before the barrier): registers
+        # stay free for more programs per SM, which hide each other's wait.
         if ADD:
             x = tl.load(H + r64 * stride_h + cols, mask=mask, other=0.0).to(ACC)
         else:
@@ -499,6 +524,27 @@ def _bwd_looped_kernel(
 
 
 @triton.jit
+def _bwd_split_publish(x, dy, w, row, Mean, Rstd, Part, Count, k, mask, KP: tl.constexpr,
+                       IS_RMS: tl.constexpr, HAS_W: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
+    """Write this chunk's partial sums of ``row`` (x, dy: the chunk in its dtype) to Part and arrive
+    at the row's counter."""
+    rstd = tl.load(Rstd + row)
+    if IS_RMS:
+        mean = 0.0
+    else:
+        mean = tl.load(Mean + row)
+    xhat = normalize(x.to(ACC), mean, rstd, mask, IS_RMS)
+    wdy = dy.to(ACC)
+    if HAS_W:
+        wdy = wdy * w.to(ACC)
+    part = Part + tl.cast(row, tl.int64) * (2 * KP)
+    tl.store(part + k, tl.sum(xhat * wdy, axis=0))
+    if not IS_RMS:
+        tl.store(part + KP + k, tl.sum(wdy, axis=0))
+    arrive(Count + row)
+
+
+@triton.jit
 def _bwd_split_kernel(
     X,  # (M, N) forward input rows (h for the add-norm); row stride stride_x
     DY,  # (M, N) output gradient rows; row stride stride_dy
@@ -532,7 +578,7 @@ def _bwd_split_kernel(
     HAS_DRES: tl.constexpr,
     DROPOUT: tl.constexpr,
     ACC: tl.constexpr,
-    PREFETCH: tl.constexpr,  # load the next row's chunk during this row (config.split_row)
+    PREFETCH: tl.constexpr,  # pipelined: the next row's partials published before this row's wait
 ):
     pid = tl.program_id(0)
     groups = tl.num_programs(0) // K
@@ -542,24 +588,35 @@ def _bwd_split_kernel(
     mask = cols < N
     if HAS_W:
         w = tl.load(W + cols, mask=mask, other=0.0)
+    else:
+        w = 1.0
     dw = tl.zeros([CHUNK], ACC)
     db = tl.zeros([CHUNK], ACC)
     ks = tl.arange(0, KP)
     inv_n = reciprocal(N, ACC)
-    # PREFETCH: the next row's chunk is loaded before this row's barrier, so the HBM latency of
-    # the next row overlaps the wait for the other chunks' partials.
+    # PREFETCH: the next row's chunk is loaded and its partials published before waiting on this
+    # row's barrier, so the barrier's latency overlaps a row of loads and reductions (two rows'
+    # chunks live in registers).
     if PREFETCH:
         x_next = load_chunk(X, group, stride_x, cols, mask, M, 0.0)
         dy_next = load_chunk(DY, group, stride_dy, cols, mask, M, 0.0)
+        _bwd_split_publish(x_next, dy_next, w, group, Mean, Rstd, Part, Count, k, mask, KP, IS_RMS,
+                           HAS_W, ACC)  # fmt: skip
     for row in range(group, M, groups):
         r64 = tl.cast(row, tl.int64)
         if PREFETCH:
             x, dy = x_next, dy_next
-            x_next = load_chunk(X, row + groups, stride_x, cols, mask, M, 0.0)
-            dy_next = load_chunk(DY, row + groups, stride_dy, cols, mask, M, 0.0)
+            nxt = row + groups
+            x_next = load_chunk(X, nxt, stride_x, cols, mask, M, 0.0)
+            dy_next = load_chunk(DY, nxt, stride_dy, cols, mask, M, 0.0)
+            if nxt < M:
+                _bwd_split_publish(x_next, dy_next, w, nxt, Mean, Rstd, Part, Count, k, mask, KP,
+                                   IS_RMS, HAS_W, ACC)  # fmt: skip
         else:
             x = load_chunk(X, row, stride_x, cols, mask, M, 0.0)
             dy = load_chunk(DY, row, stride_dy, cols, mask, M, 0.0)
+            _bwd_split_publish(x, dy, w, row, Mean, Rstd, Part, Count, k, mask, KP, IS_RMS, HAS_W, ACC)
+        wait(Count + row, K)
         x = x.to(ACC)
         dy = dy.to(ACC)
         rstd = tl.load(Rstd + row)
@@ -573,10 +630,6 @@ def _bwd_split_kernel(
         else:
             wdy = dy
         part = Part + r64 * (2 * KP)
-        tl.store(part + k, tl.sum(xhat * wdy, axis=0))
-        if not IS_RMS:
-            tl.store(part + KP + k, tl.sum(wdy, axis=0))
-        arrive_and_wait(Count + row, K)
         c1 = tl.sum(tl.load(part + ks, mask=ks < K, other=0.0, cache_modifier=".cg"), axis=0) * inv_n
         if IS_RMS:
             dx = (wdy - xhat * c1) * rstd

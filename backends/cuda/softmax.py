@@ -15,7 +15,7 @@ import triton.language as tl
 from normkit.backends.common import online_max_sum
 from normkit.backends.cuda import config, coop
 from normkit.backends.cuda.launch import launch
-from normkit.backends.cuda.coop import arrive_and_wait, load_chunk
+from normkit.backends.cuda.coop import arrive, load_chunk, wait
 
 
 @triton.jit
@@ -79,6 +79,19 @@ def _fwd_looped_kernel(
 
 
 @triton.jit
+def _fwd_split_publish(X, row, stride_x, Part, Count, k, cols, mask, KP: tl.constexpr, ACC: tl.constexpr):
+    """Read this chunk of ``row``, write its max and sum of exp(x - max) to Part and arrive at the
+    row's counter."""
+    r64 = tl.cast(row, tl.int64)
+    x = tl.load(X + r64 * stride_x + cols, mask=mask, other=float("-inf")).to(ACC)
+    m_k, s_k = online_max_sum(tl.full((), float("-inf"), ACC), tl.zeros((), ACC), x)
+    part = Part + r64 * (2 * KP)
+    tl.store(part + k, m_k)
+    tl.store(part + KP + k, s_k)
+    arrive(Count + row)
+
+
+@triton.jit
 def _fwd_split_kernel(
     X,  # (M, N) input rows; row stride stride_x
     Y,  # (M, N) out; row stride stride_y
@@ -102,12 +115,9 @@ def _fwd_split_kernel(
     ks = tl.arange(0, KP)
     for row in range(pid // K, M, groups):
         r64 = tl.cast(row, tl.int64)
-        x = tl.load(X + r64 * stride_x + cols, mask=mask, other=float("-inf")).to(ACC)
-        m_k, s_k = online_max_sum(tl.full((), float("-inf"), ACC), tl.zeros((), ACC), x)
+        _fwd_split_publish(X, row, stride_x, Part, Count, k, cols, mask, KP, ACC)
+        wait(Count + row, K)
         part = Part + r64 * (2 * KP)
-        tl.store(part + k, m_k)
-        tl.store(part + KP + k, s_k)
-        arrive_and_wait(Count + row, K)
         ms = tl.load(part + ks, mask=ks < K, other=float("-inf"), cache_modifier=".cg")
         ss = tl.load(part + KP + ks, mask=ks < K, other=0.0, cache_modifier=".cg")
         m = tl.max(ms, axis=0)
@@ -186,6 +196,18 @@ def _bwd_looped_kernel(
 
 
 @triton.jit
+def _bwd_split_publish(dy, y, row, Part, Count, k, KP: tl.constexpr, LOG: tl.constexpr, ACC: tl.constexpr):
+    """Write this chunk's sum of dy * y (log_softmax: of dy) of ``row`` (dy, y: the chunk in its
+    dtype) to Part and arrive at the row's counter."""
+    part = Part + tl.cast(row, tl.int64) * KP
+    if LOG:
+        tl.store(part + k, tl.sum(dy.to(ACC), axis=0))
+    else:
+        tl.store(part + k, tl.sum(dy.to(ACC) * y.to(ACC), axis=0))
+    arrive(Count + row)
+
+
+@triton.jit
 def _bwd_split_kernel(
     DY,  # (M, N) output gradient rows; row stride stride_dy
     Y,  # (M, N) forward output rows; row stride stride_y
@@ -202,7 +224,7 @@ def _bwd_split_kernel(
     KP: tl.constexpr,
     LOG: tl.constexpr,
     ACC: tl.constexpr,
-    PREFETCH: tl.constexpr,  # load the next row's chunks during this row (config.split_row)
+    PREFETCH: tl.constexpr,  # pipelined: the next row's partial published before this row's wait
 ):
     pid = tl.program_id(0)
     groups = tl.num_programs(0) // K
@@ -210,24 +232,29 @@ def _bwd_split_kernel(
     cols = k * CHUNK + tl.arange(0, CHUNK)
     mask = cols < N
     ks = tl.arange(0, KP)
+    # PREFETCH: the next row's chunks are loaded and their partial published before waiting on
+    # this row's barrier, so the barrier's latency overlaps a row of loads and reductions.
     if PREFETCH:
         dy_next = load_chunk(DY, pid // K, stride_dy, cols, mask, M, 0.0)
         y_next = load_chunk(Y, pid // K, stride_y, cols, mask, M, 0.0)
+        _bwd_split_publish(dy_next, y_next, pid // K, Part, Count, k, KP, LOG, ACC)
     for row in range(pid // K, M, groups):
         r64 = tl.cast(row, tl.int64)
         if PREFETCH:
-            dy, y = dy_next.to(ACC), y_next.to(ACC)
-            dy_next = load_chunk(DY, row + groups, stride_dy, cols, mask, M, 0.0)
-            y_next = load_chunk(Y, row + groups, stride_y, cols, mask, M, 0.0)
+            dy, y = dy_next, y_next
+            nxt = row + groups
+            dy_next = load_chunk(DY, nxt, stride_dy, cols, mask, M, 0.0)
+            y_next = load_chunk(Y, nxt, stride_y, cols, mask, M, 0.0)
+            if nxt < M:
+                _bwd_split_publish(dy_next, y_next, nxt, Part, Count, k, KP, LOG, ACC)
         else:
-            dy = load_chunk(DY, row, stride_dy, cols, mask, M, 0.0).to(ACC)
-            y = load_chunk(Y, row, stride_y, cols, mask, M, 0.0).to(ACC)
+            dy = load_chunk(DY, row, stride_dy, cols, mask, M, 0.0)
+            y = load_chunk(Y, row, stride_y, cols, mask, M, 0.0)
+            _bwd_split_publish(dy, y, row, Part, Count, k, KP, LOG, ACC)
+        wait(Count + row, K)
+        dy = dy.to(ACC)
+        y = y.to(ACC)
         part = Part + r64 * KP
-        if LOG:
-            tl.store(part + k, tl.sum(dy, axis=0))
-        else:
-            tl.store(part + k, tl.sum(dy * y, axis=0))
-        arrive_and_wait(Count + row, K)
         c = tl.sum(tl.load(part + ks, mask=ks < K, other=0.0, cache_modifier=".cg"), axis=0)
         if LOG:
             dx = dy - tl.exp(y) * c

@@ -34,7 +34,7 @@ def setting(name):
     config.SPLIT_FWD, config.SPLIT_BWD, config.SPLIT_SOFTMAX_BWD, config.MAX_REGISTERS = DEFAULTS
     if name == "nosplit":
         off = (1 << 20, 4, 256, 0)  # no row has at most 0 chunks
-        config.SPLIT_SOFTMAX_BWD = off
+        config.SPLIT_SOFTMAX_BWD = {key: off for key in DEFAULTS[2]}
         config.SPLIT_FWD = {key: off for key in DEFAULTS[0]}
         config.SPLIT_BWD = (off,)
     elif name.startswith("fwd"):

@@ -110,11 +110,14 @@ MAX_REGISTERS = 256
 # 0.60-0.64 / 0.61-0.64 / 0.84-0.89); past 32 chunks, 4096-element chunks at 4 warps read bf16
 # 0.57-0.69 and fp32 0.83-0.92 at 131072-262144 (looped: 0.55-0.59).
 SPLIT_BWD = ((2048, 4, 128, 32, True), (4096, 4, MAX_REGISTERS, 128, True))
-# Softmax backward: y and dy in registers; prefetching the next row's chunks took bf16 softmax /
-# log_softmax from 0.82-0.86 / 0.75-0.83 to 0.91-0.92 / 0.90 at N = 65536-262144 (8 warps, a
+# Softmax backward, keyed by element size >= 4 bytes: y and dy in registers. 16-bit: loading the
+# next row's chunks and publishing their partial before this row's wait took bf16 softmax /
+# log_softmax from 0.82-0.86 / 0.75-0.83 to 0.90-0.91 / 0.89-0.90 at N = 65536-262144 (8 warps, a
 # 128-register cap; at 168 or 256 registers 0.63-0.75; ci/measure-split.py softmax-bwd, H100, GPU
-# time only; perf-notes v15).
-SPLIT_SOFTMAX_BWD = (8192, 8, 128, 32, True)
+# time only; perf-notes v15). fp32 keeps the setting of the v13 bench (0.92-0.96 / 0.97-0.98 there):
+# the 16-bit one read 0.84-0.86 for fp32 in the v15 bench (two rows of fp32 dy and y chunks fill the
+# whole 128-register cap). Not re-run on the GPU after this change (perf-notes v15).
+SPLIT_SOFTMAX_BWD = {False: (8192, 8, 128, 32, True), True: (8192, 4, MAX_REGISTERS, 32, False)}
 # Forward, keyed by element size >= 4 bytes: the chunk is read again from L2 after the barrier
 # instead of being held in registers, so a register cap allows many programs per SM to hide each
 # other's barrier (perf-notes v6). Re-swept (ci/measure-split.py fwd, H100, GPU time only; perf-notes
@@ -269,7 +272,7 @@ def softmax_backward(M: int, N: int, dtype: torch.dtype, device: torch.device) -
     262144 vs 0.56-0.59 looped, bf16; perf-notes v5), else looped."""
     cfg = _row_sweep(M, N, dtype, FUSED_MAX_N_FWD)
     if not cfg.fused:
-        cfg = split_row(M, N, dtype, device, *SPLIT_SOFTMAX_BWD) or cfg
+        cfg = split_row(M, N, dtype, device, *SPLIT_SOFTMAX_BWD[dtype.itemsize >= 4]) or cfg
     return cfg
 
 

@@ -264,8 +264,9 @@ def _fwd_split_kernel(
     ks = tl.arange(0, KP)
     counts = tl.cast(tl.maximum(tl.minimum(N - ks * CHUNK, CHUNK), 0), ACC)  # values per chunk
     inv_n = reciprocal(N, ACC)
-    # Publishing the next row's partials before this row's wait (as the backward does) was slower
-    # here: 0.59-0.72 vs 0.66-0.85 of copy (perf-notes v15).
+    # Publishing the next row's partials before this row's wait, as the backward does, was level or
+    # slower here (N >= 65536: bf16 RMSNorm 0.75-0.78 vs 0.80-0.83, fp32 0.65-0.68 vs 0.76-0.85 of
+    # copy; perf-notes v15).
     for row in range(pid // K, M, groups):
         r64 = tl.cast(row, tl.int64)
         _fwd_split_publish(X, R, H, row, stride_x, stride_r, stride_h, Part, Count, k, cols, mask,

@@ -106,9 +106,9 @@ MAX_REGISTERS = 256
 # before prefetch: LayerNorm backward 0.45 vs 0.56 looped at N = 262144 (perf-notes v5). With
 # prefetch (the next row's chunk loaded and its partials published before this row's wait;
 # ci/measure-split.py bwd, H100, GPU time only; perf-notes v15): 2048-element chunks read bf16
-# LayerNorm 0.69-0.72 at N = 16384-65536, RMSNorm 0.73-0.76, fp32 0.92-0.94 (without prefetch
-# 0.60-0.64 / 0.61-0.64 / 0.84-0.89); past 32 chunks, 4096-element chunks at 4 warps read bf16
-# 0.57-0.69 and fp32 0.83-0.92 at 131072-262144 (looped: 0.55-0.59).
+# LayerNorm 0.69-0.72 at N = 16384-65536, RMSNorm 0.73-0.76, fp32 0.92-0.94 (not pipelined, same
+# chunks: bf16 0.61-0.64 at 16384-32768, fp32 0.84-0.89); past 32 chunks, 4096-element chunks at 4
+# warps read bf16 0.57-0.69 and fp32 0.83-0.92 at 131072-262144 (looped: 0.55-0.59).
 SPLIT_BWD = ((2048, 4, 128, 32, True), (4096, 4, MAX_REGISTERS, 128, True))
 # Softmax backward, keyed by element size >= 4 bytes: y and dy in registers. 16-bit: loading the
 # next row's chunks and publishing their partial before this row's wait took bf16 softmax /
@@ -123,7 +123,7 @@ SPLIT_SOFTMAX_BWD = {False: (8192, 8, 128, 32, True), True: (8192, 4, MAX_REGIST
 # other's barrier (perf-notes v6). Re-swept (ci/measure-split.py fwd, H100, GPU time only; perf-notes
 # v15): 16-bit 8192-element chunks at 8 warps read 0.67-0.84 at N = 65536-262144 (4096 x 4 warps:
 # 0.60-0.81); fp32 a 96-register cap 0.72-0.85 (64: 0.65-0.70). Prefetching the next row's chunk,
-# as the backward does, was slower in every forward cell (0.59-0.75).
+# or publishing its partials a row ahead as the backward does, was level or slower (perf-notes v15).
 SPLIT_FWD = {False: (8192, 8, 64, 64), True: (4096, 4, 96, 64)}
 
 # Partial-sum reduction tiles. A first version had one program per 1024 columns walking the G
@@ -167,7 +167,8 @@ class LaunchConfig:
     fused: bool  # the whole row fits one tile held in registers
     split: int = 1  # programs sharing one row (split rows, coop.py); grid = row groups x split
     maxnreg: int = MAX_REGISTERS  # register cap per thread the kernel is compiled with (split rows)
-    prefetch: bool = False  # backward: load the next row tile / row during this one
+    prefetch: bool = False  # backward: load the next row tile (fused; split: the next row's chunk,
+    # and publish its partials) during this one
 
 
 @functools.lru_cache(maxsize=64)

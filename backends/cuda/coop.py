@@ -13,9 +13,8 @@ registers // (threads x cap), within 64 warps) times the SMs. Programs of other 
 the same time only delay ours. Pipelined kernels load the next row's chunk and publish its partials
 (``arrive``) before waiting on this row (``wait``), so a row's barrier latency overlaps the next
 row's load and reductions; the programs of a group still arrive at their rows in the same order.
-Not for the
-Triton interpreter (programs run one after another there): ``config.split_row`` returns None for
-CPU tensors, and the looped kernels serve.
+Not for the Triton interpreter (programs run one after another there): ``config.split_row`` returns
+None for CPU tensors, and the looped kernels serve.
 """
 
 from __future__ import annotations

@@ -289,8 +289,8 @@ def _fwd_split_kernel(
             tl.store(Rstd + row, rstd)
             if not IS_RMS:
                 tl.store(Mean + row, shift + mean)
-        # The chunk again, from L2 (read or written just before the barrier): registers
-        # stay free for more programs per SM, which hide each other's wait.
+        # The chunk again, from L2 (read or written just before the barrier): registers stay
+        # free for more programs per SM, which hide each other's wait.
         if ADD:
             x = tl.load(H + r64 * stride_h + cols, mask=mask, other=0.0).to(ACC)
         else:

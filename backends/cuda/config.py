@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -344,6 +344,15 @@ GROUP_NORM_FWD_MAX_WARPS = {2: 8, 4: 16, 8: 32}
 # 8192} (0.31-0.75; H100, perf-notes v14). The apply kernel reads 0.88-0.98 at any tile of 2048-16384.
 BATCH_NORM_SUMS_TILE = 2048
 MERGE_BLOCK = 128  # channels per program of the partial-statistics merge
+# GroupNorm backward: fp32 rows longer than this go through the row norms' split backward
+# (``SPLIT_BWD``; co-resident programs share a row, x and dy read once) instead of one program per
+# row reading it twice. H100, GPU time only, fraction of copy, one program per row vs split (.dbg
+# sweep, perf-notes v16), image shapes 128x256x56x56 / 256x512x28x28 / 128x64x112x112 /
+# 32x256x56x56 (L = 25088 / 12544 / 25088 / 25088, G = 32): fp32 0.60 / 0.63 / 0.60 / 0.57 vs
+# 0.82 / 0.81 / 0.83 / 0.71; bf16 0.74 / 0.79 / 0.59 / 0.64 vs 0.54 / 0.53 / 0.55 / 0.44 and fp16
+# alike, so 16-bit rows keep one program per row (fp64: not measured, kept too). The limit is the
+# fp32 row norms' fused backward limit; L between it and 12544 was not measured.
+GROUP_NORM_SPLIT_MIN_L = {4: 8192}
 
 
 @dataclass(frozen=True)
@@ -398,6 +407,23 @@ def group_norm_backward(rows: int, Cg: int, HW: int, dtype: torch.dtype) -> Imag
     then dx)."""
     cfg = _image_tile(Cg, HW, dtype)
     return ImageConfig(cfg.hw_block, cfg.row_block, GROUP_NORM_BWD_WARPS, (rows,))
+
+
+@_memoized
+def group_norm_split_backward(rows: int, L: int, G: int, dtype: torch.dtype, device: torch.device,
+                              ) -> LaunchConfig | None:  # fmt: skip
+    """GroupNorm backward through the row norms' split backward (``SPLIT_BWD``) over the ``rows`` =
+    N * G rows of L = Cg * HW, or None (the one-program-per-row kernel): for element sizes not in
+    ``GROUP_NORM_SPLIT_MIN_L`` or rows of at most its entry, on CPU, or when fewer than G row
+    groups fit. The row groups are a multiple of G, so each group's rows share a weight row
+    (layer_norm.py)."""
+    if L <= GROUP_NORM_SPLIT_MIN_L.get(dtype.itemsize, L):
+        return None
+    cfg = next((c for c in (split_row(rows, L, dtype, device, *s) for s in SPLIT_BWD) if c), None)
+    if cfg is None:
+        return None
+    groups = cfg.grid[0] // cfg.split // G * G
+    return replace(cfg, grid=(groups * cfg.split,)) if groups else None
 
 
 @_memoized

@@ -7,6 +7,8 @@ L = (C / G) * HW elements. Forward: rows up to the row norms' fused limit are he
 [channels, HW] tiles; the per-channel sums of dy * xhat and dy are the dweight / dbias partials of
 that sample ((N, C) buffers, summed over N in a fixed order) and, weighted by w_c, the row's two
 dx terms; a second walk writes dx (rows of 100 KB are read twice from HBM: perf-notes v14).
+Long fp32 rows instead go through the row norms' split backward (``layer_norm.split_backward``:
+co-resident programs share a row and read it once; ``config.group_norm_split_backward``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import triton
 import triton.language as tl
 
 from normkit.backends.common import exact_eps, group_norm_row_fwd, reciprocal
-from normkit.backends.cuda import config, reduce
+from normkit.backends.cuda import config, layer_norm, reduce
 from normkit.backends.cuda.launch import launch
 
 
@@ -196,6 +198,9 @@ def group_norm_bwd(dy, x, weight, mean, rstd, num_groups, bias_dtype):
     """-> (dx, dweight, dbias), None where the forward had no weight / bias."""
     N, C, HW = x.shape
     Cg = C // num_groups
+    split = config.group_norm_split_backward(N * num_groups, Cg * HW, num_groups, x.dtype, x.device)
+    if split is not None:
+        return _split_bwd(split, dy, x, weight, mean, rstd, num_groups, bias_dtype)
     cfg = config.group_norm_backward(N * num_groups, Cg, HW, x.dtype)
     dx = torch.empty_like(x)
     acc = config.acc_dtype(x.dtype)
@@ -210,4 +215,29 @@ def group_norm_bwd(dy, x, weight, mean, rstd, num_groups, bias_dtype):
         ACC=config.tl_acc_dtype(x.dtype), num_warps=cfg.num_warps,
     )  # fmt: skip
     dweight, dbias = reduce.sum_partials(part_buf, grad_dtypes)
+    return dx, dweight, dbias
+
+
+def _split_bwd(cfg, dy, x, weight, mean, rstd, G, bias_dtype):
+    """The backward of long rows: the row norms' split backward over the (N * G, L) rows, with
+    weight row g = weight[g * Cg + j // HW] (j < L); its (row groups, L) dweight / dbias partials
+    are summed over the groups of each g and over HW (torch.sum: a fixed order)."""
+    N, C, HW = x.shape
+    M, L = N * G, C // G * HW
+    has_w, has_db = weight is not None, bias_dtype is not None
+    grad_dtypes = (weight.dtype if has_w else None, bias_dtype)
+    groups = cfg.grid[0] // cfg.split
+    acc = config.acc_dtype(x.dtype)
+    part_buf, (dw_part, db_part) = reduce.partials(grad_dtypes, groups, L, acc, x.device)
+    dx = torch.empty_like(x)
+    rows, drows = x.view(M, L), dx.view(M, L)
+    w = weight.repeat_interleave(HW).view(G, L) if has_w else rows
+    flags = dict(IS_RMS=False, HAS_W=has_w, HAS_DB=has_db, HAS_DH=False, HAS_DRES=False, DROPOUT=False,
+                 ACC=config.tl_acc_dtype(x.dtype), num_warps=cfg.num_warps)  # fmt: skip
+    layer_norm.split_backward(cfg, rows, dy.view(M, L), rows, drows, drows, w, G, mean, rstd,
+                              mean if dw_part is None else dw_part, mean if db_part is None else db_part,
+                              (0, 0.0, 1.0), flags)  # fmt: skip
+    sums = iter(part_buf.view(-1, groups // G, G, C // G, HW).sum(dim=(1, 4)).view(-1, C))
+    dweight = next(sums).to(weight.dtype) if has_w else None
+    dbias = next(sums).to(bias_dtype) if has_db else None
     return dx, dweight, dbias

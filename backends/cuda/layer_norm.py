@@ -552,7 +552,7 @@ def _bwd_split_kernel(
     DH,  # (M, N) incoming gradient of h (read when HAS_DH)
     DX,  # (M, N) out: gradient of the forward's x, in x's dtype
     DRES,  # (M, N) out: gradient of the residual (written when HAS_DRES)
-    W,  # (N,) weight (unread unless HAS_W)
+    W,  # (WG, N) weight rows (unread unless HAS_W)
     Mean,  # (M,) forward row means (unread when IS_RMS)
     Rstd,  # (M,)
     Part,  # (M, 2, KP) ACC workspace: per-chunk sums of xhat * w * dy and of w * dy
@@ -567,6 +567,7 @@ def _bwd_split_kernel(
     M,
     N,
     K,  # chunks per row; program pid holds chunk pid % K of the rows of group pid // K
+    WG,  # rows of W: row r uses W[r % WG] (GroupNorm: one (L,) weight row per group); 1 otherwise
     seed,
     p,
     scale,
@@ -588,7 +589,9 @@ def _bwd_split_kernel(
     cols = k * CHUNK + tl.arange(0, CHUNK)
     mask = cols < N
     if HAS_W:
-        w = tl.load(W + cols, mask=mask, other=0.0)
+        # A group's rows are group, group + groups, ...; the launcher makes groups a multiple of
+        # WG, so they share one weight row and the partials below belong to it alone.
+        w = tl.load(W + (group % WG) * N + cols, mask=mask, other=0.0)
     else:
         w = 1.0
     dw = tl.zeros([CHUNK], ACC)
@@ -691,6 +694,21 @@ def _forward(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtype=Non
     return y, h, mean, rstd
 
 
+def split_backward(cfg, x, dy, dh, dx, dres, w, w_rows, mean, rstd, dw_part, db_part, drop, flags):
+    """Launch the split-row backward (``cfg`` from ``config.split_row``, grid = row groups x
+    chunks) over (M, N) rows; ``w``: (w_rows, N) weight rows, row r using row r % w_rows (the row
+    groups must be a multiple of w_rows); ``flags``: the kernel's constexprs and num_warps.
+    Also GroupNorm's backward for long (n, g) rows (group_norm.py)."""
+    M, N = x.shape
+    kp = coop.chunks_pow2(cfg.split)
+    part, count = coop.workspace(M, 2, kp, config.acc_dtype(x.dtype), x.device)
+    strides = (x.stride(0), dy.stride(0), dh.stride(0), dx.stride(0), dres.stride(0))
+    launch(_bwd_split_kernel, cfg.grid,
+        x, dy, dh, dx, dres, w, mean, rstd, part, count, dw_part, db_part, *strides, M, N, cfg.split,
+        w_rows, *drop, CHUNK=cfg.block_size, KP=kp, PREFETCH=cfg.prefetch, maxnreg=cfg.maxnreg, **flags,
+    )  # fmt: skip
+
+
 def _backward(dy, x, weight, mean, rstd, bias_dtype, is_rms, dh=None, x_dtype=None,
               residual_dtype=None, dropout_p=0.0, seed=0):  # fmt: skip
     """-> (dx, dresidual or None, dweight or None, dbias or None).
@@ -724,13 +742,7 @@ def _backward(dy, x, weight, mean, rstd, bias_dtype, is_rms, dh=None, x_dtype=No
             ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size, PREFETCH=cfg.prefetch, **flags,
         )  # fmt: skip
     elif cfg.split > 1:
-        kp = coop.chunks_pow2(cfg.split)
-        part, count = coop.workspace(M, 2, kp, acc, x.device)
-        launch(_bwd_split_kernel, cfg.grid,
-            x, dy, dh_, dx, dres_, w, mean, rstd, part, count, dw_part, db_part, *strides, M, N,
-            cfg.split, *drop, CHUNK=cfg.block_size, KP=kp, PREFETCH=cfg.prefetch, maxnreg=cfg.maxnreg,
-            **flags,
-        )  # fmt: skip
+        split_backward(cfg, x, dy, dh_, dx, dres_, w, 1, mean, rstd, dw_part, db_part, drop, flags)
     else:
         c1 = torch.empty(M, dtype=acc, device=x.device)
         c2 = c1 if is_rms else torch.empty_like(c1)

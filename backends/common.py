@@ -75,10 +75,20 @@ def residual_in(x, r_ptrs, mask, seed, offsets, p, scale, HAS_R: tl.constexpr, D
     The dropout mask is regenerated, never stored: element (row, col) is kept where
     ``tl.rand(seed, row * N + col) >= p`` and then scaled by ``scale = 1 / (1 - p)``.
     """
+    if HAS_R:
+        r = tl.load(r_ptrs, mask=mask, other=0.0)
+    else:
+        r = x
+    return residual_add(x, r, seed, offsets, p, scale, HAS_R, DROPOUT)
+
+
+@triton.jit
+def residual_add(x, r, seed, offsets, p, scale, HAS_R: tl.constexpr, DROPOUT: tl.constexpr):
+    """:func:`residual_in` with the residual ``r`` already loaded (any dtype; unread unless HAS_R)."""
     if DROPOUT:
         x = tl.where(tl.rand(seed, offsets) >= p, x * scale, 0.0)
     if HAS_R:
-        x = x + tl.load(r_ptrs, mask=mask, other=0.0).to(x.dtype)
+        x = x + r.to(x.dtype)
     return x
 
 

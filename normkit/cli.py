@@ -141,7 +141,8 @@ def cmd_info(args) -> int:
 
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         print(f"launch configs for rows M={m}, N={n}, {args.dtype} (CUDA on {device}):")
-        print(f"  cuda forward   {cuda_config.forward(m, n, dtype, device)}")
+        for kind in ("layer_norm", "rms_norm", "add_norm", "softmax"):
+            print(f"  cuda forward   {cuda_config.forward(m, n, dtype, device, kind)} ({kind})")
         print(f"  cuda backward  {cuda_config.backward(m, n, dtype, device, is_rms=False)} (layer_norm)")
         print(f"  cuda backward  {cuda_config.backward(m, n, dtype, device, is_rms=True)} (rms_norm)")
         npu_device = torch.device("npu" if ok else "cpu")

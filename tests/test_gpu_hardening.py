@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 import normkit
 from normkit import dispatch
-from normkit.testing import Executor, assert_close
+from normkit.testing import Executor, assert_close, check_case
 
 BACKENDS = ["cuda", "npu"]  # the CUDA kernels and the NPU kernels, both on the CUDA GPU
 GiB = 1 << 30
@@ -398,6 +398,36 @@ def test_side_stream_ordering(run_on, backend, op):
                         group_norm=lambda: F.group_norm(x64, 4),
                         batch_norm=lambda: F.batch_norm(x64, None, None, training=True))[op]()  # fmt: skip
         assert_close(y, expected, torch.float32, "fwd", "y")
+
+
+# --- split-row forward modes ----------------------------------------------------------------------
+
+SPLIT_KIND_OPS = {"layer_norm": "layer_norm", "rms_norm": "rms_norm", "add_norm": "add_layer_norm",
+                  "softmax": "log_softmax"}  # fmt: skip
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("prefetch", [False, True], ids=["reread", "prefetch"])
+@pytest.mark.parametrize("kind", list(SPLIT_KIND_OPS))
+def test_split_forward_both_modes_match_reference(run_on, monkeypatch, kind, prefetch, dtype):
+    """Every op kind's split-row forward in both kernel modes (chunk read again from L2, or held
+    through the barrier with the next row's chunk prefetched), whichever ``SPLIT_FWD`` picks: 130
+    rows of 40999 (several rows per program, a masked tail chunk) and 3 rows (fewer rows than row
+    groups), fwd + bwd against fp64."""
+    from normkit.backends.cuda import config
+
+    key = (dtype.itemsize >= 4, kind)
+    monkeypatch.setitem(config.SPLIT_FWD, key, config.SPLIT_FWD[key][:4] + (prefetch,))
+    config.clear_caches()
+    try:
+        assert config.forward(130, 40999, dtype, torch.device("cuda"), kind).prefetch is prefetch
+        with _on_gpu(run_on, "cuda", dtype):
+            for rows in (130, 3):
+                check_case(SPLIT_KIND_OPS[kind], (rows, 40999), dtype=dtype, device="cuda", seed=rows)
+    finally:
+        monkeypatch.undo()
+        config.clear_caches()
 
 
 # --- leaks, caches, threads ----------------------------------------------------------------------

@@ -118,13 +118,33 @@ SPLIT_BWD = ((2048, 4, 128, 32, True), (4096, 4, MAX_REGISTERS, 128, True))
 # the 16-bit one read 0.84-0.86 for fp32 in the v15 bench (two rows of fp32 dy and y chunks fill the
 # whole 128-register cap). Not re-run on the GPU after this change (perf-notes v15).
 SPLIT_SOFTMAX_BWD = {False: (8192, 8, 128, 32, True), True: (8192, 4, MAX_REGISTERS, 32, False)}
-# Forward, keyed by element size >= 4 bytes: the chunk is read again from L2 after the barrier
-# instead of being held in registers, so a register cap allows many programs per SM to hide each
-# other's barrier (perf-notes v6). Re-swept (ci/measure-split.py fwd, H100, GPU time only; perf-notes
-# v15): 16-bit 8192-element chunks at 8 warps read 0.67-0.84 at N = 65536-262144 (4096 x 4 warps:
-# 0.60-0.81); fp32 a 96-register cap 0.72-0.85 (64: 0.65-0.70). Prefetching the next row's chunk,
-# or publishing its partials a row ahead as the backward does, was level or slower (perf-notes v15).
-SPLIT_FWD = {False: (8192, 8, 64, 64), True: (4096, 4, 96, 64)}
+# Forward, keyed by (element size >= 4 bytes, op kind: "layer_norm", "rms_norm", "add_norm",
+# "softmax" (and log_softmax)); (chunk elements, num_warps, register cap, most chunks, prefetch).
+# Re-read (prefetch False): the chunk is read again from L2 after the barrier instead of being held
+# in registers, so a register cap allows many programs per SM to hide each other's barrier
+# (perf-notes v6); 16-bit 8192-element chunks at 8 warps read 0.67-0.84 at N = 65536-262144, fp32
+# 4096 x 4 warps at 96 registers 0.72-0.85 (ci/measure-split.py fwd, H100, GPU time only; v15).
+# Prefetch: the chunk is held through the barrier and the next row's chunk is loaded before this
+# row's reductions. With every synchronisation removed, the re-read kernel still read only
+# 0.86-0.88 (0.77-0.84 with them): loads not in flight were the loss, not the barrier (v16). H100,
+# GPU time only, N = 65536 / 131072 / 262144, prefetch setting vs re-read (perf-notes v16):
+#   RMSNorm bf16 8192 x 8 warps at 80 registers 0.85 / 0.87 / 0.82 vs 0.81 / 0.83 / 0.80;
+#   RMSNorm fp32 4096 x 8 at 64: 0.93 / 0.91 / 0.87 vs 0.84 / 0.84 / 0.81;
+#   softmax / log_softmax bf16 8192 x 8 at 64: 0.78 / 0.77 / 0.77, 0.83 / 0.81 / 0.79 vs 0.74 /
+#   0.73 / 0.69, 0.79 / 0.78 / 0.74; fp32 4096 x 8 at 64: 0.87 / 0.83 / 0.78, 0.89 / 0.84 / 0.78
+#   vs 0.79 / 0.78 / 0.75, 0.82 / 0.81 / 0.78.
+# LayerNorm and the add-norms keep re-reading: with prefetch they read 0.52-0.72 (LayerNorm) and
+# 0.48-0.86 (add-norms) against 0.66-0.82 and 0.84-0.93 (more values live per element: registers).
+SPLIT_FWD = {
+    (False, "layer_norm"): (8192, 8, 64, 64, False),
+    (True, "layer_norm"): (4096, 4, 96, 64, False),
+    (False, "add_norm"): (8192, 8, 64, 64, False),
+    (True, "add_norm"): (4096, 4, 96, 64, False),
+    (False, "rms_norm"): (8192, 8, 80, 64, True),
+    (True, "rms_norm"): (4096, 8, 64, 64, True),
+    (False, "softmax"): (8192, 8, 64, 64, True),
+    (True, "softmax"): (4096, 8, 64, 64, True),
+}
 
 # Partial-sum reduction tiles. A first version had one program per 1024 columns walking the G
 # partial rows one load at a time: at N = 256 that single program's G dependent loads cost as
@@ -248,15 +268,13 @@ def split_row(M: int, N: int, dtype: torch.dtype, device: torch.device, chunk: i
 
 
 @_memoized
-def forward(M: int, N: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig:
-    """Row-norm forward: fused (rows in registers) or looped (one program per row).
-
-    Split rows were measured slower than the looped kernel here (bf16 LayerNorm 0.52-0.61 vs
-    0.62-0.63 of copy at N = 65536-262144; docs/perf-notes.md v5): with 8 warps per SM the row
-    barrier's latency is not hidden."""
+def forward(M: int, N: int, dtype: torch.dtype, device: torch.device, kind: str = "layer_norm",
+            ) -> LaunchConfig:  # fmt: skip
+    """Row forward of ``kind`` (a ``SPLIT_FWD`` key: layer_norm, rms_norm, add_norm, softmax):
+    fused (rows in registers), split rows or looped (one program per row, two reads of x)."""
     cfg = _row_sweep(M, N, dtype, FUSED_MAX_N_FWD)
     if not cfg.fused:
-        cfg = split_row(M, N, dtype, device, *SPLIT_FWD[dtype.itemsize >= 4]) or cfg
+        cfg = split_row(M, N, dtype, device, *SPLIT_FWD[dtype.itemsize >= 4, kind]) or cfg
     return cfg
 
 
@@ -264,7 +282,7 @@ def forward(M: int, N: int, dtype: torch.dtype, device: torch.device) -> LaunchC
 def softmax(M: int, N: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig:
     """Softmax forward (no cross-row reduction): the row-norm forward's tiling. The fused limit is
     the forward's (a row of x in registers); not yet measured separately for softmax."""
-    return forward(M, N, dtype, device)
+    return forward(M, N, dtype, device, "softmax")
 
 
 @_memoized

@@ -30,6 +30,7 @@ from normkit.backends.common import (
     exact_eps,
     normalize,
     reciprocal,
+    residual_add,
     residual_grad,
     residual_in,
 )
@@ -195,17 +196,29 @@ def _row_shift(X, R, r64, stride_x, stride_r, ADD: tl.constexpr, HAS_R: tl.const
 
 
 @triton.jit
-def _fwd_split_publish(X, R, H, row, stride_x, stride_r, stride_h, Part, Count, k, cols, mask, N, seed,
-                       p, scale, CHUNK: tl.constexpr, KP: tl.constexpr, IS_RMS: tl.constexpr,
+def _fwd_split_load(X, R, row, stride_x, stride_r, cols, mask, M, ADD: tl.constexpr, HAS_R: tl.constexpr):
+    """Row ``row``'s chunk of x and of the residual (x again when there is none), in their dtypes;
+    nothing is computed from them here, so that the loads stay in flight until first used."""
+    x = load_chunk(X, row, stride_x, cols, mask, M, 0.0)
+    if ADD and HAS_R:
+        r = load_chunk(R, row, stride_r, cols, mask, M, 0.0)
+    else:
+        r = x
+    return x, r
+
+
+@triton.jit
+def _fwd_split_publish(x, r, X, R, H, row, stride_x, stride_r, stride_h, Part, Count, k, cols, mask, N,
+                       seed, p, scale, CHUNK: tl.constexpr, KP: tl.constexpr, IS_RMS: tl.constexpr,
                        ADD: tl.constexpr, HAS_R: tl.constexpr, DROPOUT: tl.constexpr,
                        ACC: tl.constexpr):  # fmt: skip
-    """Read this chunk of ``row`` (forming and storing h for the add-norm), write its partial
-    statistics to Part and arrive at the row's counter."""
+    """From this chunk of ``row`` (x, r: from ``_fwd_split_load``) form and store h for the
+    add-norm, write the chunk's partial statistics to Part and arrive at the row's counter.
+    Returns the chunk that is normalized (x, or h), in ACC."""
     r64 = tl.cast(row, tl.int64)
-    x = tl.load(X + r64 * stride_x + cols, mask=mask, other=0.0).to(ACC)
+    x = x.to(ACC)
     if ADD:
-        h = residual_in(x, R + r64 * stride_r + cols, mask, seed, r64 * N + cols, p, scale,
-                        HAS_R, DROPOUT).to(H.dtype.element_ty)  # fmt: skip
+        h = residual_add(x, r, seed, r64 * N + cols, p, scale, HAS_R, DROPOUT).to(H.dtype.element_ty)
         tl.store(H + r64 * stride_h + cols, h, mask=mask)
         x = h.to(ACC)
     part = Part + r64 * (2 * KP)
@@ -220,6 +233,7 @@ def _fwd_split_publish(X, R, H, row, stride_x, stride_r, stride_h, Part, Count, 
         tl.store(part + k, mean_k)
         tl.store(part + KP + k, tl.sum(d * d, axis=0))
     arrive(Count + row)
+    return x
 
 
 @triton.jit
@@ -255,6 +269,7 @@ def _fwd_split_kernel(
     HAS_R: tl.constexpr,
     DROPOUT: tl.constexpr,
     ACC: tl.constexpr,
+    PREFETCH: tl.constexpr,  # chunk held through the barrier, the next row's chunk loaded early
 ):
     pid = tl.program_id(0)
     groups = tl.num_programs(0) // K
@@ -264,13 +279,24 @@ def _fwd_split_kernel(
     ks = tl.arange(0, KP)
     counts = tl.cast(tl.maximum(tl.minimum(N - ks * CHUNK, CHUNK), 0), ACC)  # values per chunk
     inv_n = reciprocal(N, ACC)
-    # Publishing the next row's partials before this row's wait, as the backward does, was level or
-    # slower here (N >= 65536: bf16 RMSNorm 0.75-0.78 vs 0.80-0.83, fp32 0.65-0.68 vs 0.76-0.85 of
-    # copy; perf-notes v15).
+    # PREFETCH: the chunk stays in registers through the barrier, and the next row's chunk is loaded
+    # before this row's reductions, so its loads are in flight through them, the barrier and the
+    # stores. Otherwise the chunk is read again from L2 after the barrier, which needs fewer
+    # registers. Publishing the next row's partials before this row's wait, as the backward does,
+    # was level or slower here (perf-notes v15).
+    if PREFETCH:
+        x_next, r_next = _fwd_split_load(X, R, pid // K, stride_x, stride_r, cols, mask, M, ADD, HAS_R)
     for row in range(pid // K, M, groups):
         r64 = tl.cast(row, tl.int64)
-        _fwd_split_publish(X, R, H, row, stride_x, stride_r, stride_h, Part, Count, k, cols, mask,
-                           N, seed, p, scale, CHUNK, KP, IS_RMS, ADD, HAS_R, DROPOUT, ACC)  # fmt: skip
+        if PREFETCH:
+            x, r = x_next, r_next
+            x_next, r_next = _fwd_split_load(X, R, row + groups, stride_x, stride_r, cols, mask, M, ADD,
+                                             HAS_R)  # fmt: skip
+        else:
+            x, r = _fwd_split_load(X, R, row, stride_x, stride_r, cols, mask, M, ADD, HAS_R)
+        x = _fwd_split_publish(x, r, X, R, H, row, stride_x, stride_r, stride_h, Part, Count, k, cols,
+                               mask, N, seed, p, scale, CHUNK, KP, IS_RMS, ADD, HAS_R, DROPOUT,
+                               ACC)  # fmt: skip
         wait(Count + row, K)
         part = Part + r64 * (2 * KP)
         p1 = tl.load(part + ks, mask=ks < K, other=0.0, cache_modifier=".cg")
@@ -289,12 +315,13 @@ def _fwd_split_kernel(
             tl.store(Rstd + row, rstd)
             if not IS_RMS:
                 tl.store(Mean + row, shift + mean)
-        # The chunk again, from L2 (read or written just before the barrier): registers stay
-        # free for more programs per SM, which hide each other's wait.
-        if ADD:
-            x = tl.load(H + r64 * stride_h + cols, mask=mask, other=0.0).to(ACC)
-        else:
-            x = tl.load(X + r64 * stride_x + cols, mask=mask, other=0.0).to(ACC)
+        if not PREFETCH:
+            # The chunk again, from L2 (read or written just before the barrier): registers stay
+            # free for more programs per SM, which hide each other's wait.
+            if ADD:
+                x = tl.load(H + r64 * stride_h + cols, mask=mask, other=0.0).to(ACC)
+            else:
+                x = tl.load(X + r64 * stride_x + cols, mask=mask, other=0.0).to(ACC)
         y = normalize(x - shift, mean, rstd, mask, IS_RMS)
         if HAS_W:
             y = y * tl.load(W + cols, mask=mask, other=0.0).to(ACC)
@@ -663,7 +690,8 @@ def _forward(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtype=Non
              seed=0):  # fmt: skip
     """-> (y, h or None, mean, rstd); h = dropout(x) + residual is formed and normalized if add."""
     M, N = x.shape
-    cfg = config.forward(M, N, x.dtype, x.device)
+    kind = "add_norm" if add else "rms_norm" if is_rms else "layer_norm"
+    cfg = config.forward(M, N, x.dtype, x.device, kind)
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     h = torch.empty((M, N), dtype=h_dtype, device=x.device) if add else None
     rstd = torch.empty(M, dtype=config.acc_dtype(x.dtype), device=x.device)
@@ -688,7 +716,7 @@ def _forward(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtype=Non
         kp = coop.chunks_pow2(cfg.split)
         part, count = coop.workspace(M, 2, kp, rstd.dtype, x.device)
         launch(_fwd_split_kernel, cfg.grid, *args, part, count, M, N, cfg.split, eps, tail, *drop,
-                                    CHUNK=cfg.block_size, KP=kp, maxnreg=cfg.maxnreg, **flags)  # fmt: skip
+               CHUNK=cfg.block_size, KP=kp, PREFETCH=cfg.prefetch, maxnreg=cfg.maxnreg, **flags)  # fmt: skip
     else:
         launch(_fwd_looped_kernel, cfg.grid, *args, N, eps, tail, *drop, BLOCK_N=cfg.block_size, **flags)
     return y, h, mean, rstd

@@ -79,16 +79,17 @@ def _fwd_looped_kernel(
 
 
 @triton.jit
-def _fwd_split_publish(X, row, stride_x, Part, Count, k, cols, mask, KP: tl.constexpr, ACC: tl.constexpr):
-    """Read this chunk of ``row``, write its max and sum of exp(x - max) to Part and arrive at the
-    row's counter."""
+def _fwd_split_publish(x, row, Part, Count, k, KP: tl.constexpr, ACC: tl.constexpr):
+    """From this chunk of ``row`` (-inf outside the row), write its max and sum of exp(x - max) to
+    Part and arrive at the row's counter. Returns the chunk in ACC."""
     r64 = tl.cast(row, tl.int64)
-    x = tl.load(X + r64 * stride_x + cols, mask=mask, other=float("-inf")).to(ACC)
+    x = x.to(ACC)
     m_k, s_k = online_max_sum(tl.full((), float("-inf"), ACC), tl.zeros((), ACC), x)
     part = Part + r64 * (2 * KP)
     tl.store(part + k, m_k)
     tl.store(part + KP + k, s_k)
     arrive(Count + row)
+    return x
 
 
 @triton.jit
@@ -106,6 +107,7 @@ def _fwd_split_kernel(
     KP: tl.constexpr,  # power of two >= K
     LOG: tl.constexpr,
     ACC: tl.constexpr,
+    PREFETCH: tl.constexpr,  # chunk held through the barrier, the next row's chunk loaded early
 ):
     pid = tl.program_id(0)
     groups = tl.num_programs(0) // K
@@ -113,9 +115,19 @@ def _fwd_split_kernel(
     cols = k * CHUNK + tl.arange(0, CHUNK)
     mask = cols < N
     ks = tl.arange(0, KP)
+    # PREFETCH as in the row norms' split forward (layer_norm.py): the next row's chunk is loaded
+    # before this row's reductions and the chunk is held through the barrier; otherwise it is read
+    # again from L2 after the barrier.
+    if PREFETCH:
+        x_next = load_chunk(X, pid // K, stride_x, cols, mask, M, float("-inf"))
     for row in range(pid // K, M, groups):
         r64 = tl.cast(row, tl.int64)
-        _fwd_split_publish(X, row, stride_x, Part, Count, k, cols, mask, KP, ACC)
+        if PREFETCH:
+            x = x_next
+            x_next = load_chunk(X, row + groups, stride_x, cols, mask, M, float("-inf"))
+        else:
+            x = load_chunk(X, row, stride_x, cols, mask, M, float("-inf"))
+        x = _fwd_split_publish(x, row, Part, Count, k, KP, ACC)
         wait(Count + row, K)
         part = Part + r64 * (2 * KP)
         ms = tl.load(part + ks, mask=ks < K, other=float("-inf"), cache_modifier=".cg")
@@ -123,7 +135,8 @@ def _fwd_split_kernel(
         m = tl.max(ms, axis=0)
         # Chunks of all -inf carry s = 0; a row of all -inf keeps m = -inf, s = 0: NaN, as torch.
         s = tl.sum(ss * tl.exp(ms - tl.where(m == float("-inf"), 0.0, m)), axis=0)
-        x = tl.load(X + r64 * stride_x + cols, mask=mask, other=float("-inf")).to(ACC)  # from L2
+        if not PREFETCH:
+            x = tl.load(X + r64 * stride_x + cols, mask=mask, other=float("-inf")).to(ACC)  # from L2
         if LOG:
             y = (x - m) - tl.log(s)
         else:
@@ -276,7 +289,7 @@ def softmax_fwd(x, log):
         kp = coop.chunks_pow2(cfg.split)
         part, count = coop.workspace(M, 2, kp, config.acc_dtype(x.dtype), x.device)
         launch(_fwd_split_kernel, cfg.grid, x, y, x.stride(0), y.stride(0), part, count, M, N, cfg.split,
-                                    CHUNK=cfg.block_size, KP=kp, maxnreg=cfg.maxnreg, **flags)  # fmt: skip
+               CHUNK=cfg.block_size, KP=kp, PREFETCH=cfg.prefetch, maxnreg=cfg.maxnreg, **flags)  # fmt: skip
     else:
         launch(_fwd_looped_kernel, cfg.grid, x, y, x.stride(0), y.stride(0), N, BLOCK_N=cfg.block_size,
                **flags)

@@ -7,6 +7,7 @@
 - No leaks: 10,000 mixed calls leave torch.cuda.memory_allocated flat; launch-config caches are
   bounded; normkit called from several threads at once (GPU, and on the CPU in CI).
 - Determinism: every backward (dweight / dbias, the dropout path) bitwise equal run to run.
+- Split rows: each op kind's split-row forward in both kernel modes (re-read / prefetch) vs fp64.
 
 The > 2^31-element tests take 15-25 GB each; they hold a file lock so that pytest-xdist workers run
 them one at a time, and skip (with the numbers) only if the GPU lacks the memory even then.

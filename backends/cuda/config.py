@@ -280,8 +280,9 @@ def forward(M: int, N: int, dtype: torch.dtype, device: torch.device, kind: str 
 
 @_memoized
 def softmax(M: int, N: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig:
-    """Softmax forward (no cross-row reduction): the row-norm forward's tiling. The fused limit is
-    the forward's (a row of x in registers); not yet measured separately for softmax."""
+    """Softmax / log_softmax forward: the row-norm forward's tiling, with its own split-row
+    setting (``SPLIT_FWD[..., "softmax"]``, measured; perf-notes v16). The fused limit is the row
+    norms' (a row of x in registers), not measured separately for softmax."""
     return forward(M, N, dtype, device, "softmax")
 
 

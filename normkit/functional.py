@@ -408,12 +408,18 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
     _check_param_dtypes(op, input, weight=weight, bias=bias)
     x = input.reshape(input.shape[0], C, math.prod(input.shape[2:])).contiguous()
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    if training:  # the statistics' own gradient is part of batch_norm_bwd(training=True)
+    if training:  # one operator: statistics, running statistics and y (CUDA: one read of x)
         if count == 0:  # an empty batch leaves the running statistics as they are (as torch)
             running_mean = running_var = None
-        mean, rstd = ops.batch_norm_stats(x.detach(), eps, float(momentum), running_mean, running_var)
-    else:
-        mean = running_mean.detach().to(acc)
-        rstd = torch.rsqrt(running_var.detach().to(acc) + eps)
-    y = ops.batch_norm_fwd(x, weight, bias, mean, rstd, bool(training))
+        rm, rv = (None if t is None else t.detach() for t in (running_mean, running_var))
+        y, _, _, rm, rv = ops.batch_norm_train(x, weight, bias, eps, float(momentum), rm, rv)
+        with torch.no_grad():  # the operator is functional: its new running statistics copied back
+            if running_mean is not None:
+                running_mean.copy_(rm)
+            if running_var is not None:
+                running_var.copy_(rv)
+        return y.view(input.shape)
+    mean = running_mean.detach().to(acc)
+    rstd = torch.rsqrt(running_var.detach().to(acc) + eps)
+    y = ops.batch_norm_fwd(x, weight, bias, mean, rstd, False)
     return y.view(input.shape)

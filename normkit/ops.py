@@ -411,6 +411,44 @@ def _batch_norm_backward(ctx, dy):
 
 batch_norm_fwd.register_autograd(_batch_norm_backward, setup_context=_batch_norm_setup)
 
+
+@custom_op("normkit::batch_norm_train", mutates_args=())
+def batch_norm_train(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, momentum: float,
+                     running_mean: Optional[Tensor], running_var: Optional[Tensor]
+                     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """Training forward: x (N, C, HW) contiguous -> (y, mean, rstd, running_mean', running_var'),
+    the last two the running statistics after this step as new tensors (empty where not given;
+    the caller copies them into its buffers: an operator with an autograd formula may not mutate
+    its inputs). One backend call, so a backend can read x once (CUDA: split channels)."""
+    with _on(x.device):
+        backend = _backend(x)
+        out = backend.batch_norm_train_fwd(x, weight, bias, eps, momentum, running_mean, running_var)
+    return _outs(out, x, (x, weight, bias, running_mean, running_var), backend)
+
+
+@batch_norm_train.register_fake
+def _(x, weight, bias, eps, momentum, running_mean, running_var):
+    stat = x.new_empty(x.shape[1], dtype=_stat_dtype(x))
+    return (torch.empty_like(x), stat, torch.empty_like(stat), _empty_grad(running_mean, x),
+            _empty_grad(running_var, x))  # fmt: skip
+
+
+def _batch_norm_train_setup(ctx, inputs, output):
+    ctx.set_materialize_grads(False)  # no zero-filled gradients for the statistics outputs
+    x, weight, bias = inputs[:3]
+    _, mean, rstd, _, _ = output
+    ctx.save_for_backward(x, weight, mean, rstd)
+    ctx.training, ctx.bias_dtype = True, None if bias is None else bias.dtype
+
+
+def _batch_norm_train_backward(ctx, dy, *_stats):
+    if dy is None:
+        return (None,) * 7
+    return *_batch_norm_backward(ctx, dy)[:3], None, None, None, None
+
+
+batch_norm_train.register_autograd(_batch_norm_train_backward, setup_context=_batch_norm_train_setup)
+
 def unit_stride(rows: Tensor) -> Tensor:
     """Kernels take any row stride but need unit-stride columns: copy only when they are not."""
     return rows.contiguous() if rows.numel() and rows.stride(1) != 1 else rows
@@ -491,4 +529,6 @@ group_norm_fwd = _Entry(group_norm_fwd, _group_norm_setup, _group_norm_backward,
 group_norm_bwd = _Entry(group_norm_bwd)
 batch_norm_stats = _Entry(batch_norm_stats)
 batch_norm_fwd = _Entry(batch_norm_fwd, _batch_norm_setup, _batch_norm_backward)
+batch_norm_train = _Entry(batch_norm_train, _batch_norm_train_setup, _batch_norm_train_backward,
+                          stats=(1, 2, 3, 4))  # fmt: skip
 batch_norm_bwd = _Entry(batch_norm_bwd)

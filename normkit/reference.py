@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from normkit.backends.batch_norm_contract import train_fwd_from
+
 NAME = "reference"
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -197,6 +199,9 @@ def batch_norm_apply(x, weight, bias, mean, rstd):
     if bias is not None:
         y = y + bias.to(acc)[None, :, None]
     return y.to(x.dtype)
+
+
+batch_norm_train_fwd = train_fwd_from(batch_norm_stats, batch_norm_apply)
 
 
 def batch_norm_bwd(dy, x, weight, mean, rstd, training, bias_dtype):

@@ -470,8 +470,9 @@ def check_batch_norm_case(shape, dtype=torch.float32, device="cpu", *, training=
     n, hw = shape[0], math.prod(shape[2:])
     x3 = x.double().reshape(n, C, hw)
     up = lambda t: None if t is None else t.double()  # noqa: E731
+    running_ref = [t.double() for t in running]  # after the step: updated below when training
     if training:
-        m_ref, r_ref = reference.batch_norm_stats(x3, 1e-5)
+        m_ref, r_ref = reference.batch_norm_stats(x3, 1e-5, 0.1, *running_ref)
     else:
         m_ref, r_ref = running[0].double(), torch.rsqrt(running[1].double() + 1e-5)
     y_ref = reference.batch_norm_apply(x3, up(w), up(b), m_ref, r_ref)
@@ -480,8 +481,11 @@ def check_batch_norm_case(shape, dtype=torch.float32, device="cpu", *, training=
     )
     poison_allocator(device)
     leaves = [t.detach().requires_grad_(True) if t is not None else None for t in (x, w, b)]
-    y = normkit.batch_norm(leaves[0], *running, leaves[1], leaves[2], training=training)
+    y = normkit.batch_norm(leaves[0], *running, leaves[1], leaves[2], training=training, momentum=0.1)
     y.backward(dy)
+    for name, got, ref in zip(("running_mean", "running_var"), running, running_ref):
+        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")  # fmt: skip
     grad = lambda t: None if t is None else t.grad  # noqa: E731
     used = {}
     for key, got, ref, kind in (("y", y, y_ref, "fwd"), ("dx", leaves[0].grad, dx_ref, "bwd"),

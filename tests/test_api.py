@@ -214,6 +214,8 @@ def test_fresh_outputs_backends_return_no_aliases(executor, run_on):
         calls["batch_norm_stats"] = ((img, run_m, run_v), (bm, brs))
         calls["batch_norm_apply"] = ((img, cw, cb, bm, brs),
                                      (backend.batch_norm_apply(img, cw, cb, bm, brs),))
+        calls["batch_norm_train_fwd"] = ((img, cw, cb, run_m, run_v),
+                                         backend.batch_norm_train_fwd(img, cw, cb, 1e-5, 0.1, run_m, run_v))
         calls["batch_norm_bwd"] = ((dimg, img, cw, bm, brs),
                                    backend.batch_norm_bwd(dimg, img, cw, bm, brs, True, f32))
     for name, (inputs, outputs) in calls.items():

@@ -63,6 +63,9 @@ def _image_cases():
         ("batch_norm_fwd-train", ops.batch_norm_fwd, (*grad(x, w, b), mean, rstd, True)),
         ("batch_norm_fwd-eval-no-params", ops.batch_norm_fwd, (*grad(x), None, None, mean, rstd, False)),
         ("batch_norm_bwd", ops.batch_norm_bwd, (dy, x, w, mean, rstd, True, torch.float32)),
+        ("batch_norm_train", ops.batch_norm_train, (*grad(x, w, b), 1e-5, 0.1, None, None)),
+        ("batch_norm_train-running", ops.batch_norm_train, (*grad(x, w, b), 1e-5, 0.1, *running)),
+        ("batch_norm_train-no-params", ops.batch_norm_train, (*grad(x), None, None, 1e-5, 0.1, *running)),
     ]
 
 

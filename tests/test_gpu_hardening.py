@@ -7,7 +7,8 @@
 - No leaks: 10,000 mixed calls leave torch.cuda.memory_allocated flat; launch-config caches are
   bounded; normkit called from several threads at once (GPU, and on the CPU in CI).
 - Determinism: every backward (dweight / dbias, the dropout path) bitwise equal run to run.
-- Split rows: each op kind's split-row forward in both kernel modes (re-read / prefetch) vs fp64.
+- Split rows: each op kind's split-row forward in both kernel modes (re-read / prefetch) vs fp64;
+  BatchNorm on split channels (both modes) and through the two-pass kernels vs fp64.
 
 The > 2^31-element tests take 15-25 GB each; they hold a file lock so that pytest-xdist workers run
 them one at a time, and skip (with the numbers) only if the GPU lacks the memory even then.
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 
 import normkit
 from normkit import dispatch
-from normkit.testing import Executor, assert_close, check_case
+from normkit.testing import Executor, assert_close, check_batch_norm_case, check_case
 
 BACKENDS = ["cuda", "npu"]  # the CUDA kernels and the NPU kernels, both on the CUDA GPU
 GiB = 1 << 30
@@ -426,6 +427,39 @@ def test_split_forward_both_modes_match_reference(run_on, monkeypatch, kind, pre
             assert config.forward(130, 40999, dtype, torch.device("cuda"), kind).prefetch is prefetch
             for rows in (130, 3):
                 check_case(SPLIT_KIND_OPS[kind], (rows, 40999), dtype=dtype, device="cuda", seed=rows)
+    finally:
+        monkeypatch.undo()
+        config.clear_caches()
+
+
+BATCH_NORM_SPLIT_SHAPES = [(37, 9, 24, 40), (3, 300, 9, 15), (64, 16, 56, 56)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("mode", ["split", "split-pipelined", "two-pass"])
+def test_batch_norm_split_and_two_pass_match_reference(run_on, monkeypatch, mode, dtype):
+    """BatchNorm training forward and backward on split channels, with and without pipelining
+    (the next channel published before this one's wait), and through the two-pass kernels: y,
+    running statistics, dx, dweight, dbias against fp64. Shapes: a masked tail chunk (HW = 960),
+    an odd HW (runs of 1 value) with more channels than channel groups, and 25-49 chunks a channel."""
+    from normkit.backends.cuda import config
+
+    if mode == "two-pass":
+        monkeypatch.setattr(config, "BATCH_NORM_SPLIT_MIN_HW", 1 << 30)
+    else:
+        for key, setting in config.BATCH_NORM_SPLIT.items():
+            monkeypatch.setitem(config.BATCH_NORM_SPLIT, key, setting[:4] + (mode == "split-pipelined",))
+    config.clear_caches()
+    try:
+        with _on_gpu(run_on, "cuda", dtype):  # skips without a CUDA GPU
+            for i, shape in enumerate(BATCH_NORM_SPLIT_SHAPES):
+                N, C = shape[:2]
+                for backward in (False, True):
+                    cfg = config.batch_norm_split(N, C, math.prod(shape[2:]), dtype, torch.device("cuda"),
+                                                  backward)  # fmt: skip
+                    assert (cfg is None) is (mode == "two-pass"), (shape, backward, cfg)
+                check_batch_norm_case(shape, dtype, "cuda", seed=i, mean=3.0)
     finally:
         monkeypatch.undo()
         config.clear_caches()

@@ -6,7 +6,12 @@ Triton's interpreter (TRITON_INTERPRET=1), which is how CI exercises these kerne
 
 import torch
 
-from normkit.backends.cuda.batch_norm import batch_norm_apply, batch_norm_bwd, batch_norm_stats
+from normkit.backends.cuda.batch_norm import (
+    batch_norm_apply,
+    batch_norm_bwd,
+    batch_norm_stats,
+    batch_norm_train_fwd,
+)
 from normkit.backends.cuda.group_norm import group_norm_bwd, group_norm_fwd
 from normkit.backends.cuda.layer_norm import (
     add_layer_norm_bwd,
@@ -44,5 +49,6 @@ __all__ = [
     "group_norm_bwd",
     "batch_norm_stats",
     "batch_norm_apply",
+    "batch_norm_train_fwd",
     "batch_norm_bwd",
 ]

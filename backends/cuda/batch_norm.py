@@ -1,18 +1,27 @@
 """BatchNorm on NVIDIA GPUs (training and eval): kernels, then launchers.
 
 A column reduction, unlike the row norms: channel c's statistics run over N samples x HW of a
-contiguous (N, C, HW) input. Each channel's samples are cut into ``parts`` slices
-(``config.batch_norm_sums``) so that the whole GPU works on a few hundred channels: program
-(slice, channel) walks [samples, HW] tiles and writes partial statistics (sums of x - x[0, c, 0]
-and its square: accurate for large means); a small kernel merges the slices by Chan's formula in a
-fixed order (bitwise reproducible), computes rstd and updates the running statistics in place.
-The apply and dx kernels are elementwise over [rows, HW] tiles of the (N * C, HW) rows. The
-backward's per-channel sums of dy and dy * xhat (= dbias, dweight) are partial rows summed by
-``reduce.sum_partials``.
+contiguous (N, C, HW) input.
 
-Training reads x twice (statistics, then apply) and x and dy twice in the backward: 3 / 2 and 5 / 3
-of the bytes a single pass would move (perf-notes v14 has the measurement and the design that
-would keep each channel's slice on chip between the two passes)."""
+Split channels (``config.batch_norm_split``, most shapes): the rows of coop.py applied to
+channels. The K co-resident programs of a channel each take a chunk of its N * HW values (runs of
+whole samples' HW columns, so each chunk reads long stretches of memory), publish the chunk's
+partial statistics (forward) or gradient sums (backward), meet at the channel's counter, merge the
+K partials in a fixed order (bitwise reproducible) and finish their chunk: the training forward
+reads x from HBM once (the chunk again from L2 after the barrier), the backward x and dy once
+(held in registers), and the k = 0 program writes the channel's statistics, running statistics or
+dweight / dbias. Pipelined settings publish the next channel's chunk before waiting on this one.
+
+Two-pass (CPU / the interpreter, HW < ``config.BATCH_NORM_SPLIT_MIN_HW``, channels too long to
+split): each channel's samples are cut into ``parts`` slices (``config.batch_norm_sums``) so that
+the whole GPU works on a few hundred channels: program (slice, channel) walks [samples, HW] tiles
+and writes partial statistics (sums of x - x[0, c, 0] and its square: accurate for large means); a
+small kernel merges the slices by Chan's formula in a fixed order, computes rstd and updates the
+running statistics in place. The apply and dx kernels are elementwise over [rows, HW] tiles of the
+(N * C, HW) rows; the backward's per-channel sums of dy and dy * xhat (= dbias, dweight) are
+partial rows summed by ``reduce.sum_partials``. This reads x twice in training (statistics, then
+apply) and x and dy twice in the backward: 3 / 2 and 5 / 3 of the bytes a single pass moves
+(perf-notes v14, v17)."""
 
 from __future__ import annotations
 
@@ -20,8 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
+from normkit.backends.batch_norm_contract import train_fwd_from
 from normkit.backends.common import exact_eps, reciprocal
-from normkit.backends.cuda import config, reduce
+from normkit.backends.cuda import config, coop, reduce
+from normkit.backends.cuda.coop import arrive, wait
 from normkit.backends.cuda.launch import launch
 
 
@@ -234,6 +245,200 @@ def _dx_kernel(
     tl.store(DX + at, (dy * scale[:, None]).to(DX.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _chunk(k, L, HW, CHW, CHUNK: tl.constexpr, VEC: tl.constexpr):
+    """Offsets (from channel 0's first value) and mask of chunk ``k`` of a channel, whose L = N * HW
+    values are taken in (sample, column) order: value j = n * HW + hw lies at n * C * HW + hw
+    (``CHW`` = C * HW). A [CHUNK // VEC, VEC] tile of runs of VEC values; VEC divides HW, so a run
+    never crosses a sample and the sample index is formed once per run, and the runs of one sample
+    are contiguous: a chunk reads HW-long stretches of memory (a [samples, HW block] tile read
+    HW-block-long ones: 0.45-0.59 of copy for the forward; perf-notes v17)."""
+    start = k * CHUNK + tl.arange(0, CHUNK // VEC) * VEC
+    n = (start // HW).to(tl.int64)
+    j = start[:, None] + tl.arange(0, VEC)[None, :]
+    return j.to(tl.int64) + (n * (CHW - HW))[:, None], j < L
+
+
+@triton.jit
+def _fwd_split_publish(X, c, HW, at, mask, inv_k, Part, Count, k, KP: tl.constexpr, ACC: tl.constexpr):
+    """Load this program's chunk of channel ``c``, write its statistics (mean of x - x[0, c, 0], M2
+    about that mean) and arrive at the channel's counter."""
+    base = tl.cast(c, tl.int64) * HW
+    xs = tl.where(mask, tl.load(X + base + at, mask=mask, other=0.0).to(ACC) - tl.load(X + base).to(ACC), 0.0)
+    mean_k = tl.sum(tl.sum(xs, axis=1), axis=0) * inv_k
+    d = tl.where(mask, xs - mean_k, 0.0)
+    part = Part + tl.cast(c, tl.int64) * (2 * KP)
+    tl.store(part + k, mean_k)
+    tl.store(part + KP + k, tl.sum(tl.sum(d * d, axis=1), axis=0))
+    arrive(Count + c)
+
+
+@triton.jit
+def _fwd_split_kernel(
+    X,  # (N, C, HW) contiguous input
+    Y,  # (N, C, HW) out
+    W,  # (C,) weight (unread unless HAS_W)
+    B,  # (C,) bias (unread unless HAS_B)
+    Mean,  # (C,) out, ACC
+    Rstd,  # (C,) out, ACC
+    RMean,  # (C,) running mean (read when HAS_RM)
+    RVar,  # (C,) running variance (read when HAS_RV)
+    RMeanOut,  # (C,) out: the running mean after this step (written when HAS_RM)
+    RVarOut,  # (C,) out: the running variance after this step, with the unbiased variance (HAS_RV)
+    Part,  # (C, 2, KP) ACC workspace: per-chunk mean of x - x[0, c, 0] and M2 about it
+    Count,  # (C,) int32, zeroed: the channel barriers
+    L,  # values per channel: N * HW
+    C,
+    HW,
+    K,  # chunks per channel; program pid holds chunk pid % K of the channels of group pid // K
+    eps,
+    eps_lo,  # eps - fp32(eps): fp64 kernels add it back (exact_eps)
+    momentum,
+    unbias,  # count / (count - 1)
+    CHUNK: tl.constexpr,  # values per program
+    VEC: tl.constexpr,  # values per run: a power of two dividing HW
+    KP: tl.constexpr,  # power of two >= K
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    HAS_RM: tl.constexpr,
+    HAS_RV: tl.constexpr,
+    ACC: tl.constexpr,
+    PIPELINE: tl.constexpr,  # the next channel's statistics published before this channel's wait
+):
+    """Training forward, x read from HBM once: the K programs of a channel each publish their
+    chunk's statistics, meet at the channel's barrier (coop.py), merge the K partials in a fixed
+    order (Chan) and normalize their chunk, read again from L2 (holding it in registers through the
+    barrier measured slower: fewer programs per SM; perf-notes v17). The k = 0 program writes the
+    channel's statistics and running statistics."""
+    pid = tl.program_id(0)
+    groups = tl.num_programs(0) // K
+    k = pid % K
+    at, mask = _chunk(k, L, HW, tl.cast(C, tl.int64) * HW, CHUNK, VEC)
+    ks = tl.arange(0, KP)
+    counts = tl.cast(tl.maximum(tl.minimum(L - ks * CHUNK, CHUNK), 0), ACC)  # values per chunk
+    inv_k = reciprocal(tl.minimum(L - k * CHUNK, CHUNK), ACC)
+    inv_n = reciprocal(L, ACC)
+    if PIPELINE:
+        _fwd_split_publish(X, pid // K, HW, at, mask, inv_k, Part, Count, k, KP, ACC)
+    for c in range(pid // K, C, groups):
+        if PIPELINE:
+            if c + groups < C:
+                _fwd_split_publish(X, c + groups, HW, at, mask, inv_k, Part, Count, k, KP, ACC)
+        else:
+            _fwd_split_publish(X, c, HW, at, mask, inv_k, Part, Count, k, KP, ACC)
+        wait(Count + c, K)
+        part = Part + tl.cast(c, tl.int64) * (2 * KP)
+        p1 = tl.load(part + ks, mask=ks < K, other=0.0, cache_modifier=".cg")
+        p2 = tl.load(part + KP + ks, mask=ks < K, other=0.0, cache_modifier=".cg")
+        mean = tl.sum(p1 * counts, axis=0) * inv_n
+        dm = p1 - mean
+        var = (tl.sum(p2, axis=0) + tl.sum(counts * dm * dm, axis=0)) * inv_n
+        rstd = 1.0 / tl.sqrt(var + exact_eps(eps, eps_lo, ACC))
+        base = tl.cast(c, tl.int64) * HW
+        shift = tl.load(X + base).to(ACC)
+        if k == 0:
+            tl.store(Mean + c, shift + mean)
+            tl.store(Rstd + c, rstd)
+            if HAS_RM:
+                rm = (1 - momentum) * tl.load(RMean + c).to(ACC) + momentum * (shift + mean)
+                tl.store(RMeanOut + c, rm.to(RMeanOut.dtype.element_ty))
+            if HAS_RV:
+                rv = (1 - momentum) * tl.load(RVar + c).to(ACC) + momentum * (var * unbias)
+                tl.store(RVarOut + c, rv.to(RVarOut.dtype.element_ty))
+        scale = rstd
+        if HAS_W:
+            scale = scale * tl.load(W + c).to(ACC)
+        y = (tl.load(X + base + at, mask=mask, other=0.0).to(ACC) - shift - mean) * scale
+        if HAS_B:
+            y = y + tl.load(B + c).to(ACC)
+        tl.store(Y + base + at, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bwd_split_load(X, DY, c, C, HW, at, mask):
+    """This program's chunk of x and dy of channel ``c`` (zeros past the last channel)."""
+    base = tl.cast(c, tl.int64) * HW
+    x = tl.load(X + base + at, mask=mask & (c < C), other=0.0)
+    return x, tl.load(DY + base + at, mask=mask & (c < C), other=0.0)
+
+
+@triton.jit
+def _bwd_split_publish(x, dy, c, Mean, Rstd, Part, Count, k, mask, KP: tl.constexpr, ACC: tl.constexpr):
+    """Write this chunk's sums of dy * xhat and dy for channel ``c`` and arrive at its counter."""
+    xhat = tl.where(mask, (x.to(ACC) - tl.load(Mean + c)) * tl.load(Rstd + c), 0.0)
+    dy = dy.to(ACC)
+    part = Part + tl.cast(c, tl.int64) * (2 * KP)
+    tl.store(part + k, tl.sum(tl.sum(xhat * dy, axis=1), axis=0))
+    tl.store(part + KP + k, tl.sum(tl.sum(dy, axis=1), axis=0))
+    arrive(Count + c)
+
+
+@triton.jit
+def _bwd_split_kernel(
+    X,  # (N, C, HW) forward input
+    DY,  # (N, C, HW) output gradient, contiguous
+    DX,  # (N, C, HW) out
+    W,  # (C,) weight (unread unless HAS_W)
+    Mean,  # (C,) ACC
+    Rstd,  # (C,) ACC
+    DW,  # (C,) out: sum of dy * xhat, in its dtype (written when HAS_W)
+    DB,  # (C,) out: sum of dy (written when HAS_DB)
+    Part,  # (C, 2, KP) ACC workspace: per-chunk sums of dy * xhat and of dy
+    Count,  # (C,) int32, zeroed: the channel barriers
+    L,  # values per channel: N * HW
+    C,
+    HW,
+    K,  # chunks per channel; program pid holds chunk pid % K of the channels of group pid // K
+    CHUNK: tl.constexpr,
+    VEC: tl.constexpr,
+    KP: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_DB: tl.constexpr,
+    TRAINING: tl.constexpr,  # statistics came from this batch (their gradient flows to x)
+    ACC: tl.constexpr,
+    PIPELINE: tl.constexpr,  # the next channel's chunks loaded and published before this one's wait
+):
+    """Backward, x and dy read from HBM once: per-channel sums through the channel barrier as in
+    the forward; dweight / dbias are those sums, written by the k = 0 program (no partial rows)."""
+    pid = tl.program_id(0)
+    groups = tl.num_programs(0) // K
+    k = pid % K
+    at, mask = _chunk(k, L, HW, tl.cast(C, tl.int64) * HW, CHUNK, VEC)
+    ks = tl.arange(0, KP)
+    inv_n = reciprocal(L, ACC)
+    c0 = pid // K
+    if PIPELINE:
+        x_next, dy_next = _bwd_split_load(X, DY, c0, C, HW, at, mask)
+        _bwd_split_publish(x_next, dy_next, c0, Mean, Rstd, Part, Count, k, mask, KP, ACC)
+    for c in range(c0, C, groups):
+        if PIPELINE:
+            x, dy = x_next, dy_next
+            x_next, dy_next = _bwd_split_load(X, DY, c + groups, C, HW, at, mask)
+            if c + groups < C:
+                _bwd_split_publish(x_next, dy_next, c + groups, Mean, Rstd, Part, Count, k, mask, KP, ACC)
+        else:
+            x, dy = _bwd_split_load(X, DY, c, C, HW, at, mask)
+            _bwd_split_publish(x, dy, c, Mean, Rstd, Part, Count, k, mask, KP, ACC)
+        wait(Count + c, K)
+        part = Part + tl.cast(c, tl.int64) * (2 * KP)
+        s_dyx = tl.sum(tl.load(part + ks, mask=ks < K, other=0.0, cache_modifier=".cg"), axis=0)
+        s_dy = tl.sum(tl.load(part + KP + ks, mask=ks < K, other=0.0, cache_modifier=".cg"), axis=0)
+        if k == 0:
+            if HAS_W:
+                tl.store(DW + c, s_dyx.to(DW.dtype.element_ty))
+            if HAS_DB:
+                tl.store(DB + c, s_dy.to(DB.dtype.element_ty))
+        rstd = tl.load(Rstd + c)
+        scale = rstd
+        if HAS_W:
+            scale = scale * tl.load(W + c).to(ACC)
+        g = dy.to(ACC)
+        if TRAINING:
+            xhat = (x.to(ACC) - tl.load(Mean + c)) * rstd
+            g = g - (s_dy + xhat * s_dyx) * inv_n
+        tl.store(DX + tl.cast(c, tl.int64) * HW + at, (g * scale).to(DX.dtype.element_ty), mask=mask)
+
+
 def batch_norm_stats(x, eps, momentum=0.0, running_mean=None, running_var=None):
     """x: (N, C, HW) contiguous -> (mean, rstd), each (C,) in the math dtype; the running
     statistics, when given, are updated in place by the same kernel (as torch: unbiased variance)."""
@@ -255,6 +460,35 @@ def batch_norm_stats(x, eps, momentum=0.0, running_mean=None, running_var=None):
     return mean, rstd
 
 
+def batch_norm_train_fwd(x, weight, bias, eps, momentum, running_mean, running_var, cfg=None):
+    """Training forward (contract: backends/batch_norm_contract.py) -> (y, mean, rstd,
+    running_mean', running_var'): this batch's statistics and the running statistics after this
+    step, as new tensors (None where not given). One read of x on split channels (``cfg``, default
+    ``config.batch_norm_split``), else the statistics and apply kernels."""
+    N, C, HW = x.shape
+    cfg = cfg or config.batch_norm_split(N, C, HW, x.dtype, x.device, False)
+    if cfg is None:
+        return _train_fwd_two_pass(x, weight, bias, eps, momentum, running_mean, running_var)
+    acc = config.acc_dtype(x.dtype)
+    kp = coop.chunks_pow2(cfg.split)
+    part, count = coop.workspace(C, 2, kp, acc, x.device)
+    y = torch.empty_like(x)
+    mean = torch.empty(C, dtype=acc, device=x.device)
+    rstd = torch.empty_like(mean)
+    rm = None if running_mean is None else torch.empty_like(running_mean)
+    rv = None if running_var is None else torch.empty_like(running_var)
+    L = N * HW
+    launch(_fwd_split_kernel, cfg.grid,
+        x, y, weight if weight is not None else x, bias if bias is not None else x, mean, rstd,
+        *((x, x) if rm is None else (running_mean, rm)), *((x, x) if rv is None else (running_var, rv)),
+        part, count, L, C, HW, cfg.split, eps, config.eps_tail(eps, x.device), float(momentum),
+        L / max(1, L - 1), CHUNK=cfg.block_size, VEC=config.run_length(HW, x.dtype), KP=kp,
+        HAS_W=weight is not None, HAS_B=bias is not None, HAS_RM=rm is not None, HAS_RV=rv is not None,
+        ACC=config.tl_acc_dtype(x.dtype), PIPELINE=cfg.prefetch, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
+    )  # fmt: skip
+    return y, mean, rstd, rm, rv
+
+
 def batch_norm_apply(x, weight, bias, mean, rstd):
     """y = (x - mean_c) * rstd_c * weight_c + bias_c, in x.dtype."""
     N, C, HW = x.shape
@@ -268,9 +502,28 @@ def batch_norm_apply(x, weight, bias, mean, rstd):
     return y
 
 
-def batch_norm_bwd(dy, x, weight, mean, rstd, training, bias_dtype):
-    """-> (dx, dweight, dbias); training: the statistics were this batch's."""
+_train_fwd_two_pass = train_fwd_from(batch_norm_stats, batch_norm_apply)
+
+
+def batch_norm_bwd(dy, x, weight, mean, rstd, training, bias_dtype, cfg=None):
+    """-> (dx, dweight, dbias); training: the statistics were this batch's. One read of x and dy
+    on split channels (``cfg``, default ``config.batch_norm_split``), else sums then dx."""
     N, C, HW = x.shape
+    cfg = cfg or config.batch_norm_split(N, C, HW, x.dtype, x.device, True)
+    if cfg is not None:
+        kp = coop.chunks_pow2(cfg.split)
+        part, count = coop.workspace(C, 2, kp, config.acc_dtype(x.dtype), x.device)
+        dx = torch.empty_like(x)
+        dweight = torch.empty(C, dtype=weight.dtype, device=x.device) if weight is not None else None
+        dbias = torch.empty(C, dtype=bias_dtype, device=x.device) if bias_dtype is not None else None
+        launch(_bwd_split_kernel, cfg.grid,
+            x, dy, dx, weight if weight is not None else x, mean, rstd, x if dweight is None else dweight,
+            x if dbias is None else dbias, part, count, N * HW, C, HW, cfg.split, CHUNK=cfg.block_size,
+            VEC=config.run_length(HW, x.dtype), KP=kp, HAS_W=weight is not None, HAS_DB=dbias is not None,
+            TRAINING=training, ACC=config.tl_acc_dtype(x.dtype), PIPELINE=cfg.prefetch,
+            num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
+        )  # fmt: skip
+        return dx, dweight, dbias
     acc = config.acc_dtype(x.dtype)
     cfg = config.batch_norm_sums(N, C, HW, x.dtype, x.device)
     part, (dyx_part, dy_part) = reduce.partials((acc, acc), cfg.parts, C, acc, x.device)

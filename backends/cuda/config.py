@@ -372,6 +372,27 @@ MERGE_BLOCK = 128  # channels per program of the partial-statistics merge
 # alike, so 16-bit rows keep one program per row (fp64: not measured, kept too). The limit is the
 # fp32 row norms' fused backward limit; L between it and 12544 was not measured.
 GROUP_NORM_SPLIT_MIN_L = {4: 8192}
+# BatchNorm split channels (coop.py applied to channels, batch_norm.py): the K programs of a
+# channel each take a chunk of its N * HW values (runs of whole samples' HW columns) and meet at a
+# per-channel barrier, so the training forward reads x from HBM once (chunk re-read from L2 after
+# the barrier) instead of twice, and the backward x and dy once (held in registers). Keyed by
+# (backward, element size >= 4 bytes): (chunk elements, num_warps, register cap, most chunks,
+# pipelined: the next channel's chunk published before this channel's wait). H100, GPU time only,
+# fraction of copy on 128x256x56x56 / 256x512x28x28 / 128x64x112x112 / 32x256x56x56, chosen
+# setting vs the two-pass kernels in the same run (.dbg sweeps of 6-7 settings; perf-notes v17):
+#   forward bf16 8192 x 8 warps at 64, pipelined: 0.63 / 0.62 / 0.65 / 0.58 vs 0.59 / 0.56 / 0.59 / 0.50
+#   forward fp32 4096 x 8 at 64, pipelined:       0.66 / 0.64 / 0.67 / 0.63 vs 0.62 / 0.59 / 0.62 / 0.55
+#   backward bf16 4096 x 4 at 128, pipelined:     0.64-0.67 / 0.64 / 0.56-0.61 / 0.63-0.64 vs 0.46-0.57
+#   backward fp32 8192 x 8 at 128:                0.77 / 0.83 / 0.59 / 0.82 vs 0.54-0.59
+# Channels of fewer than BATCH_NORM_SPLIT_MIN_HW values per sample keep the two-pass kernels (not
+# measured on split channels; a chunk's runs would be that short).
+BATCH_NORM_SPLIT = {
+    (False, False): (8192, 8, 64, 512, True),
+    (False, True): (4096, 8, 64, 512, True),
+    (True, False): (4096, 4, 128, 512, True),
+    (True, True): (8192, 8, 128, 512, False),
+}
+BATCH_NORM_SPLIT_MIN_HW = 64
 
 
 @dataclass(frozen=True)
@@ -454,6 +475,28 @@ def batch_norm_sums(N: int, C: int, HW: int, dtype: torch.dtype, device: torch.d
     parts = triton.cdiv(N, samples) if N else 1
     cfg = _image_tile(samples, HW, dtype, BATCH_NORM_SUMS_TILE)
     return ImageConfig(cfg.hw_block, cfg.row_block, cfg.num_warps, (parts * C,), parts, samples)
+
+
+def run_length(HW: int, dtype: torch.dtype) -> int:
+    """Values per run of a split channel's chunk (batch_norm.py): the largest power of two that
+    divides HW, up to one 16-byte vector."""
+    vec = 16 // dtype.itemsize
+    while HW % vec:
+        vec //= 2
+    return vec
+
+
+@_memoized
+def batch_norm_split(N: int, C: int, HW: int, dtype: torch.dtype, device: torch.device, backward: bool,
+                     setting: tuple | None = None) -> LaunchConfig | None:  # fmt: skip
+    """Split-channel launch (``split_row`` over C rows of N * HW values, with ``BATCH_NORM_SPLIT``
+    or ``setting``), or None where the two-pass kernels serve: CPU (the interpreter runs programs
+    one at a time, so a barrier never opens), HW < BATCH_NORM_SPLIT_MIN_HW, channels of 2^31 values
+    or more, or more chunks per channel than co-resident programs."""
+    L = N * HW
+    if HW < BATCH_NORM_SPLIT_MIN_HW or not 0 < L < 2**31 - 2**20:
+        return None
+    return split_row(C, L, dtype, device, *(setting or BATCH_NORM_SPLIT[backward, dtype.itemsize >= 4]))
 
 
 @_memoized

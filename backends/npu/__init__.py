@@ -8,7 +8,12 @@ tensors with upstream Triton, which is how they are tested without Ascend hardwa
 
 import torch
 
-from normkit.backends.npu.batch_norm import batch_norm_apply, batch_norm_bwd, batch_norm_stats
+from normkit.backends.npu.batch_norm import (
+    batch_norm_apply,
+    batch_norm_bwd,
+    batch_norm_stats,
+    batch_norm_train_fwd,
+)
 from normkit.backends.npu.group_norm import group_norm_bwd, group_norm_fwd
 from normkit.backends.npu.layer_norm import (
     add_layer_norm_bwd,
@@ -46,5 +51,6 @@ __all__ = [
     "group_norm_bwd",
     "batch_norm_stats",
     "batch_norm_apply",
+    "batch_norm_train_fwd",
     "batch_norm_bwd",
 ]

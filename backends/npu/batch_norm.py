@@ -17,6 +17,7 @@ from normkit.backends.common import (
     batch_norm_row_apply,
     batch_norm_row_dx,
 )
+from normkit.backends.batch_norm_contract import train_fwd_from
 from normkit.backends.npu import config
 from normkit.reference import update_running_stats
 
@@ -121,6 +122,9 @@ def batch_norm_apply(x, weight, bias, mean, rstd):
         N * C, C, HW, BLOCK_SIZE=cfg.block_size, HAS_W=weight is not None, HAS_B=bias is not None,
     )  # fmt: skip
     return y
+
+
+batch_norm_train_fwd = train_fwd_from(batch_norm_stats, batch_norm_apply)
 
 
 def batch_norm_bwd(dy, x, weight, mean, rstd, training, bias_dtype):

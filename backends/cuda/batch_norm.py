@@ -480,7 +480,8 @@ def batch_norm_train_fwd(x, weight, bias, eps, momentum, running_mean, running_v
     L = N * HW
     launch(_fwd_split_kernel, cfg.grid,
         x, y, weight if weight is not None else x, bias if bias is not None else x, mean, rstd,
-        *((x, x) if rm is None else (running_mean, rm)), *((x, x) if rv is None else (running_var, rv)),
+        x if rm is None else running_mean, x if rv is None else running_var, x if rm is None else rm,
+        x if rv is None else rv,
         part, count, L, C, HW, cfg.split, eps, config.eps_tail(eps, x.device), float(momentum),
         L / max(1, L - 1), CHUNK=cfg.block_size, VEC=config.run_length(HW, x.dtype), KP=kp,
         HAS_W=weight is not None, HAS_B=bias is not None, HAS_RM=rm is not None, HAS_RV=rv is not None,

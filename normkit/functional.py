@@ -412,13 +412,13 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
         if count == 0:  # an empty batch leaves the running statistics as they are (as torch)
             running_mean = running_var = None
         rm, rv = (None if t is None else t.detach() for t in (running_mean, running_var))
-        y, _, _, rm, rv = ops.batch_norm_train(x, weight, bias, eps, float(momentum), rm, rv)
-        with torch.no_grad():  # the operator is functional: its new running statistics copied back
-            if running_mean is not None:
-                running_mean.copy_(rm)
-            if running_var is not None:
-                running_var.copy_(rv)
-        return y.view(input.shape)
+        out = ops.batch_norm_train(x, weight, bias, eps, float(momentum), rm, rv)
+        if torch.compiler.is_compiling():  # the traced operator is functional: copy its statistics back
+            with torch.no_grad():
+                for buf, new in ((running_mean, out[3]), (running_var, out[4])):
+                    if buf is not None:
+                        buf.copy_(new)
+        return out[0].view(input.shape)
     mean = running_mean.detach().to(acc)
     rstd = torch.rsqrt(running_var.detach().to(acc) + eps)
     y = ops.batch_norm_fwd(x, weight, bias, mean, rstd, False)

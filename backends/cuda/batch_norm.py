@@ -29,11 +29,11 @@ import torch
 import triton
 import triton.language as tl
 
-from normkit.backends.batch_norm_contract import train_fwd_from
 from normkit.backends.common import exact_eps, reciprocal
 from normkit.backends.cuda import config, coop, reduce
 from normkit.backends.cuda.coop import arrive, wait
 from normkit.backends.cuda.launch import launch
+from normkit.reference import train_fwd_from
 
 
 @triton.jit
@@ -460,23 +460,26 @@ def batch_norm_stats(x, eps, momentum=0.0, running_mean=None, running_var=None):
     return mean, rstd
 
 
-def batch_norm_train_fwd(x, weight, bias, eps, momentum, running_mean, running_var, cfg=None):
-    """Training forward (contract: backends/batch_norm_contract.py) -> (y, mean, rstd,
+def batch_norm_train_fwd(x, weight, bias, eps, momentum, running_mean, running_var, in_place=False,
+                         cfg=None):  # fmt: skip
+    """Training forward (contract: docs/design.md, ``reference.train_fwd_from``) -> (y, mean, rstd,
     running_mean', running_var'): this batch's statistics and the running statistics after this
-    step, as new tensors (None where not given). One read of x on split channels (``cfg``, default
-    ``config.batch_norm_split``), else the statistics and apply kernels."""
+    step, as new tensors (None where not given), or the given ones updated when ``in_place``. One
+    read of x on split channels (``cfg``, default ``config.batch_norm_split``), else the statistics
+    and apply kernels."""
     N, C, HW = x.shape
     cfg = cfg or config.batch_norm_split(N, C, HW, x.dtype, x.device, False)
     if cfg is None:
-        return _train_fwd_two_pass(x, weight, bias, eps, momentum, running_mean, running_var)
+        return _train_fwd_two_pass(x, weight, bias, eps, momentum, running_mean, running_var, in_place)
     acc = config.acc_dtype(x.dtype)
     kp = coop.chunks_pow2(cfg.split)
     part, count = coop.workspace(C, 2, kp, acc, x.device)
     y = torch.empty_like(x)
     mean = torch.empty(C, dtype=acc, device=x.device)
     rstd = torch.empty_like(mean)
-    rm = None if running_mean is None else torch.empty_like(running_mean)
-    rv = None if running_var is None else torch.empty_like(running_var)
+    # The k = 0 program of a channel reads its running statistics before writing them: in place is safe.
+    rm = running_mean if in_place or running_mean is None else torch.empty_like(running_mean)
+    rv = running_var if in_place or running_var is None else torch.empty_like(running_var)
     L = N * HW
     launch(_fwd_split_kernel, cfg.grid,
         x, y, weight if weight is not None else x, bias if bias is not None else x, mean, rstd,

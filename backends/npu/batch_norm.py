@@ -17,9 +17,8 @@ from normkit.backends.common import (
     batch_norm_row_apply,
     batch_norm_row_dx,
 )
-from normkit.backends.batch_norm_contract import train_fwd_from
 from normkit.backends.npu import config
-from normkit.reference import update_running_stats
+from normkit.reference import train_fwd_from, update_running_stats
 
 
 @triton.jit

@@ -460,6 +460,7 @@ def _batch_norm_train_backward(ctx, dy, *_stats):
 
 batch_norm_train.register_autograd(_batch_norm_train_backward, setup_context=_batch_norm_train_setup)
 
+
 def unit_stride(rows: Tensor) -> Tensor:
     """Kernels take any row stride but need unit-stride columns: copy only when they are not."""
     return rows.contiguous() if rows.numel() and rows.stride(1) != 1 else rows

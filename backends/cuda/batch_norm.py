@@ -251,8 +251,8 @@ def _chunk(k, L, HW, CHW, CHUNK: tl.constexpr, VEC: tl.constexpr):
     values are taken in (sample, column) order: value j = n * HW + hw lies at n * C * HW + hw
     (``CHW`` = C * HW). A [CHUNK // VEC, VEC] tile of runs of VEC values; VEC divides HW, so a run
     never crosses a sample and the sample index is formed once per run, and the runs of one sample
-    are contiguous: a chunk reads HW-long stretches of memory (a [samples, HW block] tile read
-    HW-block-long ones: 0.45-0.59 of copy for the forward; perf-notes v17)."""
+    are contiguous: a chunk reads HW-long stretches of memory (a [samples, HW block] tile, reading
+    HW-block-long ones, measured slower in both directions: perf-notes v17)."""
     start = k * CHUNK + tl.arange(0, CHUNK // VEC) * VEC
     n = (start // HW).to(tl.int64)
     j = start[:, None] + tl.arange(0, VEC)[None, :]

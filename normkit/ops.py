@@ -420,9 +420,18 @@ def batch_norm_train(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor]
     the last two the running statistics after this step as new tensors (empty where not given;
     the caller copies them into its buffers: an operator with an autograd formula may not mutate
     its inputs). One backend call, so a backend can read x once (CUDA: split channels)."""
+    return _batch_norm_train_call(x, weight, bias, eps, momentum, running_mean, running_var, False)
+
+
+def _batch_norm_train_call(x, weight, bias, eps, momentum, running_mean, running_var, in_place):
+    """The backend's batch_norm_train_fwd: all 5 outputs (the operator), or (y, mean, rstd) with
+    the running statistics updated in place (``in_place``: the eager kernel)."""
     with _on(x.device):
         backend = _backend(x)
-        out = backend.batch_norm_train_fwd(x, weight, bias, eps, momentum, running_mean, running_var)
+        out = backend.batch_norm_train_fwd(x, weight, bias, eps, momentum, running_mean, running_var,
+                                           in_place)  # fmt: skip
+    if in_place:
+        return _outs(out[:3], x, (x, weight, bias), backend)
     return _outs(out, x, (x, weight, bias, running_mean, running_var), backend)
 
 
@@ -438,10 +447,7 @@ def _batch_norm_train_eager(x: Tensor, weight: Optional[Tensor], bias: Optional[
                             ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """batch_norm_train's eager kernel: (y, mean, rstd), the running statistics updated in place
     (no copies back: ~25-30 us of host time a call on the H100 host, perf-notes v17)."""
-    with _on(x.device):
-        backend = _backend(x)
-        out = backend.batch_norm_train_fwd(x, weight, bias, eps, momentum, running_mean, running_var, True)
-    return _outs(out[:3], x, (x, weight, bias), backend)
+    return _batch_norm_train_call(x, weight, bias, eps, momentum, running_mean, running_var, True)
 
 
 def _batch_norm_train_setup(ctx, inputs, output):

@@ -460,15 +460,14 @@ def batch_norm_stats(x, eps, momentum=0.0, running_mean=None, running_var=None):
     return mean, rstd
 
 
-def batch_norm_train_fwd(x, weight, bias, eps, momentum, running_mean, running_var, in_place=False,
-                         cfg=None):  # fmt: skip
+def batch_norm_train_fwd(x, weight, bias, eps, momentum, running_mean, running_var, in_place=False):
     """Training forward (contract: docs/design.md, ``reference.train_fwd_from``) -> (y, mean, rstd,
     running_mean', running_var'): this batch's statistics and the running statistics after this
     step, as new tensors (None where not given), or the given ones updated when ``in_place``. One
-    read of x on split channels (``cfg``, default ``config.batch_norm_split``), else the statistics
-    and apply kernels."""
+    read of x on split channels (``config.batch_norm_split``), else the statistics and apply
+    kernels."""
     N, C, HW = x.shape
-    cfg = cfg or config.batch_norm_split(N, C, HW, x.dtype, x.device, False)
+    cfg = config.batch_norm_split(N, C, HW, x.dtype, x.device, False)
     if cfg is None:
         return _train_fwd_two_pass(x, weight, bias, eps, momentum, running_mean, running_var, in_place)
     acc = config.acc_dtype(x.dtype)
@@ -509,11 +508,11 @@ def batch_norm_apply(x, weight, bias, mean, rstd):
 _train_fwd_two_pass = train_fwd_from(batch_norm_stats, batch_norm_apply)
 
 
-def batch_norm_bwd(dy, x, weight, mean, rstd, training, bias_dtype, cfg=None):
+def batch_norm_bwd(dy, x, weight, mean, rstd, training, bias_dtype):
     """-> (dx, dweight, dbias); training: the statistics were this batch's. One read of x and dy
-    on split channels (``cfg``, default ``config.batch_norm_split``), else sums then dx."""
+    on split channels (``config.batch_norm_split``), else sums then dx."""
     N, C, HW = x.shape
-    cfg = cfg or config.batch_norm_split(N, C, HW, x.dtype, x.device, True)
+    cfg = config.batch_norm_split(N, C, HW, x.dtype, x.device, True)
     if cfg is not None:
         kp = coop.chunks_pow2(cfg.split)
         part, count = coop.workspace(C, 2, kp, config.acc_dtype(x.dtype), x.device)

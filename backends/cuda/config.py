@@ -488,15 +488,15 @@ def run_length(HW: int, dtype: torch.dtype) -> int:
 
 @_memoized
 def batch_norm_split(N: int, C: int, HW: int, dtype: torch.dtype, device: torch.device, backward: bool,
-                     setting: tuple | None = None) -> LaunchConfig | None:  # fmt: skip
-    """Split-channel launch (``split_row`` over C rows of N * HW values, with ``BATCH_NORM_SPLIT``
-    or ``setting``), or None where the two-pass kernels serve: CPU (the interpreter runs programs
+                     ) -> LaunchConfig | None:  # fmt: skip
+    """Split-channel launch (``split_row`` over C rows of N * HW values, with ``BATCH_NORM_SPLIT``),
+    or None where the two-pass kernels serve: CPU (the interpreter runs programs
     one at a time, so a barrier never opens), HW < BATCH_NORM_SPLIT_MIN_HW, channels of 2^31 values
     or more, or more chunks per channel than co-resident programs."""
     L = N * HW
     if HW < BATCH_NORM_SPLIT_MIN_HW or not 0 < L < 2**31 - 2**20:
         return None
-    return split_row(C, L, dtype, device, *(setting or BATCH_NORM_SPLIT[backward, dtype.itemsize >= 4]))
+    return split_row(C, L, dtype, device, *BATCH_NORM_SPLIT[backward, dtype.itemsize >= 4])
 
 
 @_memoized

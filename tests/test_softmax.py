@@ -10,9 +10,10 @@ import normkit
 from normkit.testing import SOFTMAX_OPS, check_softmax_case
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
-DEVICE_SHAPES = [(m, n) for m in (1, 3, 128, 1151) for n in (1, 7, 1023, 1024, 1025, 4096, 40999)]
+DEVICE_SHAPES = [(m, n) for m in (1, 3, 128, 1151) for n in (1, 7, 1023, 1024, 1025, 4096, 20001, 40999)]
 # One shape per code path: fused single/many rows per program, tile edges, the looped (online
-# max/sum) path at 40999 > the fused limit, multi-tile NPU rows.
+# max/sum) path at 40999 > the fused limit, multi-tile NPU rows. On CUDA, 20001 is a fused row in
+# 16-bit and a split row in the fp32 backward (FUSED_MAX_N_SOFTMAX_BWD), 40999 a split row.
 INTERPRETER_SHAPES = [(1, 1), (3, 7), (1151, 7), (3, 1023), (2, 1025), (2, 4096), (2, 40999)]
 
 

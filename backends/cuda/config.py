@@ -29,6 +29,10 @@ FUSED_MAX_N_FWD = 32768
 # 0.92 split (perf-notes v15), so fp32 RMSNorm splits from 16384 too; 16-bit RMSNorm keeps the fused
 # 0.76-0.82 (split LayerNorm: 0.69-0.71).
 FUSED_MAX_N_BWD = {(False, False): 8192, (False, True): 8192, (True, False): 16384, (True, True): 8192}
+# The softmax backward holds a row of y and one of dy; keyed by element size >= 4. At N = 32768
+# (M = 4096, GPU time only, H100; perf-notes v18) fused vs split rows: softmax / log_softmax bf16
+# 0.97 / 1.00 vs 0.91 / 0.89, fp16 0.92 / 1.00 vs 0.91 / 0.90, fp32 0.87 / 0.91 vs 0.95 / 0.95.
+FUSED_MAX_N_SOFTMAX_BWD = {False: 32768, True: 16384}
 # fp64 rows take twice the registers.
 FP64_DIVISOR = 2
 
@@ -288,9 +292,9 @@ def softmax(M: int, N: int, dtype: torch.dtype, device: torch.device) -> LaunchC
 
 @_memoized
 def softmax_backward(M: int, N: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig:
-    """Softmax backward: fused rows of y and dy, else split rows (0.79-0.84 of copy at N = 65536 -
-    262144 vs 0.56-0.59 looped, bf16; perf-notes v5), else looped."""
-    cfg = _row_sweep(M, N, dtype, FUSED_MAX_N_FWD)
+    """Softmax backward: fused rows of y and dy up to ``FUSED_MAX_N_SOFTMAX_BWD``, else split rows
+    (0.79-0.84 of copy at N = 65536 - 262144 vs 0.56-0.59 looped, bf16; perf-notes v5), else looped."""
+    cfg = _row_sweep(M, N, dtype, FUSED_MAX_N_SOFTMAX_BWD[dtype.itemsize >= 4])
     if not cfg.fused:
         cfg = split_row(M, N, dtype, device, *SPLIT_SOFTMAX_BWD[dtype.itemsize >= 4]) or cfg
     return cfg

@@ -27,9 +27,8 @@ import triton
 from triton.runtime.jit import JITFunction
 
 _I32 = range(-(2**31), 2**31)
-_CACHE: dict = {}
+_CACHE: dict = {}  # key -> (compiled kernel, the trailing kernel arguments resolved from the meta)
 CACHE_SIZE = 4096  # compiled kernels remembered (all specializations of all kernels); then cleared
-_TAILS: dict = {}  # (fn, meta keys) -> names and defaults of the parameters after the positional args
 
 
 def _spec(args) -> tuple:
@@ -48,13 +47,10 @@ def _spec(args) -> tuple:
 
 
 def _tail(fn, nargs: int, meta: dict) -> tuple:
-    """(name, default) of each kernel parameter after the ``nargs`` positional ones, in order."""
-    key = (fn, nargs, tuple(meta))
-    tail = _TAILS.get(key)
-    if tail is None:
-        params = list(inspect.signature(fn.fn).parameters.values())[nargs:]
-        tail = _TAILS[key] = tuple((p.name, p.default) for p in params)
-    return tail
+    """The values of the kernel parameters after the ``nargs`` positional ones, in order: from
+    ``meta`` or the parameter's default. Fixed for a cache key (the meta values are part of it)."""
+    params = list(inspect.signature(fn.fn).parameters.values())[nargs:]
+    return tuple(meta[p.name] if p.name in meta else p.default for p in params)
 
 
 def _active(hook):
@@ -72,21 +68,19 @@ def launch(fn, grid: tuple, *args, **meta) -> None:
         return
     device = torch.cuda.current_device()
     key = (fn, device, _spec(args), tuple(meta.items()))
-    kernel = _CACHE.get(key)
-    if kernel is None:
+    cached = _CACHE.get(key)
+    if cached is None:
         kernel = fn[grid](*args, **meta)
         if len(_CACHE) >= CACHE_SIZE:
             _CACHE.clear()
         if all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata")):
-            _CACHE[key] = kernel
+            _CACHE[key] = kernel, _tail(fn, len(args), meta)
         return
-    full = list(args)
-    for name, default in _tail(fn, len(args), meta):
-        full.append(meta[name] if name in meta else default)
+    kernel, tail = cached
     g = (*grid, 1, 1)
     stream = torch._C._cuda_getCurrentRawStream(device)
     runtime = triton.knobs.runtime  # launch hooks (profilers) are called as Triton calls them
     enter, leave = _active(runtime.launch_enter_hook), _active(runtime.launch_exit_hook)
-    metadata = None if enter is None and leave is None else kernel.launch_metadata(grid, stream, *full)
+    metadata = None if enter is None and leave is None else kernel.launch_metadata(grid, stream, *args, *tail)
     kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, metadata, enter, leave,
-               *full)
+               *args, *tail)

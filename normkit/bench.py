@@ -13,7 +13,8 @@ between runs); on other devices :func:`event_bench` does the same with the devic
 the device inputs (NPU fp64 support is partial). ``torch._dynamo.reset()`` runs before each case, so
 torch.compile compiles every shape afresh instead of falling back to eager after its recompile limit.
 Row tensors hold 2^27 elements (M = 2^27 // N), well past L2; the ``few`` suite is small on purpose
-(inference).
+(inference): its forward is timed under ``torch.no_grad()`` for every implementation, as a model
+serving requests runs it (no autograd graph recorded); its backward as everywhere else.
 
 Bytes counted are the fewest the op must move, in units of the input's size (``UNITS``; weight,
 bias and statistics traffic is negligible and not counted):
@@ -525,6 +526,17 @@ def _error(exc) -> str:
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:300]
 
 
+NO_GRAD_FORWARD = ("few",)  # suites whose forward is timed as inference (module doc)
+
+
+def _no_grad(fn):
+    def run():
+        with torch.no_grad():
+            return fn()
+
+    return run
+
+
 def measure_row(case, impl, inp, ref, timer, copy) -> dict:
     """One result row: check then time forward and backward of ``impl`` on ``case``."""
     result = dict(fwd=("fail", None), bwd=("fail", None), error="")
@@ -536,7 +548,12 @@ def measure_row(case, impl, inp, ref, timer, copy) -> dict:
         return make_row(case, impl, copy, error=_error(exc))
     try:
         check_forward(case, outs, ref)
-        result["fwd"] = ("ok", timer(call_inp))
+        if case.suite in NO_GRAD_FORWARD:
+            timed = _no_grad(call_inp)
+            timed()  # torch.compile: the no-grad graph is compiled here, not in the timed runs
+        else:
+            timed = call_inp
+        result["fwd"] = ("ok", timer(timed))
     except AssertionError as exc:
         result.update(fwd=("wrong", None), error=_error(exc))
     except Exception as exc:

@@ -162,7 +162,7 @@ BENCH_EPILOG = """\
 suites (default: all):
   sweep  row ops, N = 1024 ... 262144 (powers of 2), M = 2^27 // N
   small  row ops, N = 64, 128, 256, 512, M = 2^27 // N
-  few    row ops, M = 1, 16, 128 rows of N = 4096, 8192 (inference; small tensors on purpose)
+  few    row ops, M = 1, 16, 128 rows of N = 4096, 8192 (inference: forward under no_grad)
   image  group_norm (32 groups), batch_norm (training, running stats) on (N, C, H, W) =
          128x256x56x56, 256x512x28x28, 128x64x112x112 (ResNet-50 training), 32x256x56x56
   dim0   softmax_dim0, log_softmax_dim0: softmax along dim 0 of a contiguous (N, M) tensor,

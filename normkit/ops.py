@@ -31,16 +31,19 @@ def _backend(x: Tensor):
 
 
 _NO_GUARD = contextlib.nullcontext()
+_MODULES: dict = {}  # device type -> torch's device module (torch.cuda, torch.npu)
 
 
 def _on(device: torch.device):
     """Make ``device`` current for the launch (a tensor on cuda:1 launches on cuda:1). No guard
     when it already is: ~1 us of host time less a call (2.4-2.6 -> 1.5 us on the H100 host,
     docs/perf-notes.md v18)."""
-    if device.type == "cpu":
+    if device.index is None or device.type == "cpu":
         return _NO_GUARD
-    module = torch.get_device_module(device.type)
-    if device.index is None or device.index == module.current_device():
+    module = _MODULES.get(device.type)
+    if module is None:
+        module = _MODULES[device.type] = torch.get_device_module(device.type)
+    if device.index == module.current_device():
         return _NO_GUARD
     return module.device(device)
 
@@ -55,7 +58,9 @@ def _outs(outputs, like: Tensor, inputs, backend=None) -> tuple[Tensor, ...]:
     ``FRESH_OUTPUTS`` (every output a new allocation, as the CUDA launchers make them) skips the
     check: it costs ~10 us of host time per call on the H100 host (docs/perf-notes.md v13)."""
     if getattr(backend, "FRESH_OUTPUTS", False):
-        return tuple(like.new_empty(_NONE) if t is None else t for t in outputs)
+        return tuple(outputs) if all(t is not None for t in outputs) else tuple(
+            like.new_empty(_NONE) if t is None else t for t in outputs
+        )
     seen = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, Tensor) and t.numel()}
     result = []
     for t in outputs:

@@ -6,7 +6,7 @@ Executors pair a backend's kernels with the device they run on:
   npu                                                  an Ascend NPU         (marker: npu)
 Each skips with the reason when its device is absent. On a machine with neither GPU nor NPU,
 TRITON_INTERPRET=1 is set here, before any kernel module is imported, so plain `pytest` runs both
-backends' kernels through the interpreter.
+backends' kernels through the interpreter. NORMKIT_CHECK_LAUNCH_KEYS=1 is set here too.
 """
 
 import os
@@ -18,6 +18,9 @@ from normkit.testing import Executor, npu_status
 
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available() and not npu_status()[0]:
     os.environ["TRITON_INTERPRET"] = "1"
+# Every keyed kernel launch of the CUDA backend is checked against the full specialization key
+# (backends/cuda/launch.py): a call-site key that misses an argument fails the GPU suite.
+os.environ.setdefault("NORMKIT_CHECK_LAUNCH_KEYS", "1")
 
 INTERPRETER = [Executor("cuda", "cpu"), Executor("npu", "cpu")]
 DEVICE = [

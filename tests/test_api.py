@@ -39,6 +39,8 @@ OPS = ["layer_norm", "rms_norm"]
 def test_argument_errors_name_the_argument(op, kwargs, error, words):
     x = torch.randn(4, 8)
     args = dict(shape=(8,), weight=None, bias=None, eps=1e-5) | kwargs
+    for weight in (None, torch.ones(8)):  # valid calls first: their signatures are memoized (_VALID)
+        _call(op, x, (8,), weight, eps=1e-3)
     with pytest.raises(error) as info:
         _call(op, x, **args)
     for word in words:
@@ -53,6 +55,22 @@ def test_non_float_input_is_rejected(op, dtype):
         _call(op, x, (8,))
     assert "input" in str(info.value) and str(dtype) in str(info.value)
     assert "float32" in str(info.value)  # says what is accepted
+
+
+def test_memoized_signatures_keep_the_backend_of_their_overrides():
+    """A call signature that passed the checks is remembered with its backend (functional._VALID);
+    the backend overrides in effect are part of the signature, and the memo is bounded."""
+    from normkit import functional
+
+    x, w = torch.randn(4, 8), torch.randn(8)
+    for _ in range(2):
+        assert functional._prepare("layer_norm", x, (8,), 1e-5, weight=w)[0].NAME == "reference"
+        with dispatch.use_backend("cpu", "normkit.backends.npu"):
+            assert functional._prepare("layer_norm", x, (8,), 1e-5, weight=w)[0].NAME == "npu"
+        with dispatch.use_backend("cpu", "normkit.backends.cuda"):
+            assert functional._prepare("layer_norm", x, [8], 1e-5, weight=w)[0].NAME == "cuda"
+    assert functional._prepare("layer_norm", x, (8,), 1e-5, weight=w)[0].NAME == "reference"
+    assert len(functional._VALID) <= functional.VALID_SIZE
 
 
 def test_bias_wrong_shape_names_bias():

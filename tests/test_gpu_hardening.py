@@ -710,3 +710,36 @@ def test_direct_launch_never_reuses_another_specialization(run_on, dtype):
                 s = normkit.softmax(x, -1)
                 assert_close(s, torch.softmax(x64, -1), dtype, "fwd", f"{name}: softmax")
     assert launch._CACHE, "the launches did not go through backends/cuda/launch.py"
+
+
+@pytest.mark.cuda
+def test_launch_key_checks_catch_a_key_that_misses_an_argument(run_on, monkeypatch):
+    """The suite runs with launch.CHECK_KEYS (conftest): a call-site key that does not determine the
+    specialization (here: the same key for an aligned and a misaligned pointer) raises instead of
+    launching the kernel compiled for the other one. Keys that do (dropout seeds of every int class,
+    misaligned residuals) launch and give the results of unkeyed launches."""
+    from normkit.backends.cuda import launch, reduce
+
+    gpu = _on_gpu(run_on, "cuda", torch.float32)  # skips here without a GPU
+    monkeypatch.setattr(launch, "CHECK_KEYS", True)
+    with gpu:
+        buf, out = _randn((5, 40), torch.float32, seed=1), torch.empty(40, device="cuda")
+
+        def run(p, o):  # the column sums of p's first 5 x 32 values, under one key whatever p is
+            launch.launch(reduce._sum_partials_kernel, (1, 1), p, o, o, 5, 32, key=("same key",), BLOCK_G=8,
+                          BLOCK_N=32, num_warps=1)  # fmt: skip
+
+        for _ in range(2):  # compiled for 16-byte aligned pointers, then launched from the cache
+            out.fill_(float("nan"))
+            run(buf, out)
+            torch.testing.assert_close(out[:32], buf.flatten()[:160].view(5, 32).sum(0))
+        with pytest.raises(AssertionError, match="does not determine its specialization"):
+            run(buf[:, 1:], out[1:])  # misaligned pointers: another specialization, same key
+        n = 1000
+        big = _randn((64, n + 1), torch.bfloat16, seed=2)
+        x, r = big[:, :n], big[:, 1:]  # r misaligned
+        w = _randn(n, torch.bfloat16, seed=3)
+        for seed in (1, 16, 17, 2**31 + 3, 2**40, 1):
+            y, h = normkit.add_layer_norm(x, r, (n,), w, None, dropout_p=0.25, seed=seed, prenorm=True)
+            h2 = normkit.add_layer_norm(x, r, (n,), w, None, dropout_p=0.25, seed=seed, prenorm=True)[1]
+            assert torch.equal(h, h2), f"seed {seed}: the same seed gave another mask"

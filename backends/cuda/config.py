@@ -177,9 +177,13 @@ def _memoized(fn):
 
 
 def clear_caches() -> None:
-    """Forget memoized launch configs (after changing a threshold constant of this module)."""
+    """Forget memoized launch configs (after changing a threshold constant of this module), and the
+    compiled kernels cached under call-site launch keys, which assume these constants (launch.py)."""
+    from normkit.backends.cuda import launch
+
     for fn in _CACHED:
         fn.cache_clear()
+    launch._CACHE.clear()
 
 
 @dataclass(frozen=True)

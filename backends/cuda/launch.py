@@ -16,19 +16,39 @@ The first call with a new key goes through ``fn[grid]`` unchanged (compiling if 
 all calls under the interpreter (``TRITON_INTERPRET=1``, where kernels are not ``JITFunction``s).
 Triton's launch hooks (profilers) are called with the same metadata as ``fn[grid]`` gives them;
 an empty hook chain (Triton's default) is skipped.
+
+Building that key from every argument costs ~4 us of the ~16 us a launch takes on the H100 host
+(docs/perf-notes.md v19). The hot call sites pass ``key=``: a tuple they build from what they know
+decides the specialization (shape, strides, dtypes, alignment of the tensors they did not allocate
+themselves), ~1 us. :data:`CHECK_KEYS` (on in the GPU test suite) makes every keyed launch also build
+the full key and fail if the two disagree, so a call-site key that misses an argument is a test
+failure, not a wrong kernel.
 """
 
 from __future__ import annotations
 
 import inspect
+import os
 
 import torch
 import triton
 from triton.runtime.jit import JITFunction
 
 _I32 = range(-(2**31), 2**31)
-_CACHE: dict = {}  # key -> (compiled kernel, the trailing kernel arguments resolved from the meta)
+_CACHE: dict = {}  # key -> (compiled kernel, resolved trailing kernel arguments, the full key)
 CACHE_SIZE = 4096  # compiled kernels remembered (all specializations of all kernels); then cleared
+# Check each keyed launch against the full key (tests; env NORMKIT_CHECK_LAUNCH_KEYS=1 at import).
+CHECK_KEYS = os.environ.get("NORMKIT_CHECK_LAUNCH_KEYS", "") == "1"
+
+
+def int_spec(a: int) -> tuple:
+    """What Triton specializes an int argument on (for call-site keys)."""
+    return (a == 1, a % 16 == 0, a in _I32, a < 2**63)
+
+
+def tensor_spec(t: torch.Tensor | None) -> tuple | None:
+    """What Triton specializes a tensor argument on, None for None (for call-site keys)."""
+    return None if t is None else (t.dtype, t.data_ptr() % 16 == 0)
 
 
 def _spec(args) -> tuple:
@@ -59,24 +79,36 @@ def _active(hook):
     return hook if hook is not None and getattr(hook, "calls", True) else None
 
 
-def launch(fn, grid: tuple, *args, **meta) -> None:
+def launch(fn, grid: tuple, *args, key: tuple | None = None, **meta) -> None:
     """``fn[grid](*args, **meta)``, through the compiled kernel when one is cached for these
     arguments' specialization (see the module doc). Positional ``args`` are the kernel's leading
-    parameters; the others (constexprs) come by keyword or take their defaults."""
+    parameters; the others (constexprs) come by keyword or take their defaults. ``key``: a hashable
+    the caller guarantees to determine ``_spec(args)`` and ``meta`` for ``fn`` (checked under
+    :data:`CHECK_KEYS`); without it the key is built from the arguments."""
     if not isinstance(fn, JITFunction):
         fn[grid](*args, **meta)
         return
     device = torch.cuda.current_device()
-    key = (fn, device, _spec(args), tuple(meta.items()))
+    full = None
+    if key is None:
+        key = full = (fn, device, _spec(args), tuple(meta.items()))
+    else:
+        key = (fn, device, key)
     cached = _CACHE.get(key)
     if cached is None:
         kernel = fn[grid](*args, **meta)
         if len(_CACHE) >= CACHE_SIZE:
             _CACHE.clear()
         if all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata")):
-            _CACHE[key] = kernel, _tail(fn, len(args), meta)
+            full = full or (fn, device, _spec(args), tuple(meta.items()))
+            _CACHE[key] = kernel, _tail(fn, len(args), meta), full
         return
-    kernel, tail = cached
+    kernel, tail, expected = cached
+    if CHECK_KEYS and full is None and expected != (fn, device, _spec(args), tuple(meta.items())):
+        raise AssertionError(
+            f"launch key {key[2]!r} of {fn.__name__} does not determine its specialization: it was "
+            f"compiled for {expected[2:]}, called with {(_spec(args), tuple(meta.items()))}"
+        )
     g = (*grid, 1, 1)
     stream = torch._C._cuda_getCurrentRawStream(device)
     runtime = triton.knobs.runtime  # launch hooks (profilers) are called as Triton calls them

@@ -35,7 +35,7 @@ from normkit.backends.common import (
     residual_in,
 )
 from normkit.backends.cuda import config, coop, reduce
-from normkit.backends.cuda.launch import launch
+from normkit.backends.cuda.launch import int_spec, launch, tensor_spec
 from normkit.backends.cuda.coop import arrive, load_chunk, wait
 from normkit.backends.row_norm_contract import row_norm_contract
 
@@ -709,31 +709,37 @@ def _forward(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtype=Non
     )  # fmt: skip
     drop = _dropout_args(dropout_p, seed)
     tail = config.eps_tail(eps, x.device)
+    # what decides the kernels' specialization, beyond the fresh outputs (launch.py's key=)
+    key = (M, N, x.stride(0), r.stride(0), tensor_spec(x), tensor_spec(residual), tensor_spec(weight),
+           tensor_spec(bias), h_dtype, is_rms, add, dropout_p > 0, int_spec(drop[0]))  # fmt: skip
     if cfg.fused:
-        launch(_fwd_fused_kernel, cfg.grid, *args, M, N, eps, tail, *drop, ROWS=cfg.rows_per_program,
+        launch(_fwd_fused_kernel, cfg.grid, *args, M, N, eps, tail, *drop, key=key, ROWS=cfg.rows_per_program,
                                     BLOCK_N=cfg.block_size, **flags)  # fmt: skip
     elif cfg.split > 1:
         kp = coop.chunks_pow2(cfg.split)
         part, count = coop.workspace(M, 2, kp, rstd.dtype, x.device)
-        launch(_fwd_split_kernel, cfg.grid, *args, part, count, M, N, cfg.split, eps, tail, *drop,
+        launch(_fwd_split_kernel, cfg.grid, *args, part, count, M, N, cfg.split, eps, tail, *drop, key=key,
                CHUNK=cfg.block_size, KP=kp, PREFETCH=cfg.prefetch, maxnreg=cfg.maxnreg, **flags)  # fmt: skip
     else:
-        launch(_fwd_looped_kernel, cfg.grid, *args, N, eps, tail, *drop, BLOCK_N=cfg.block_size, **flags)
+        launch(_fwd_looped_kernel, cfg.grid, *args, N, eps, tail, *drop, key=key, BLOCK_N=cfg.block_size,
+               **flags)  # fmt: skip
     return y, h, mean, rstd
 
 
-def split_backward(cfg, x, dy, dh, dx, dres, w, w_rows, mean, rstd, dw_part, db_part, drop, flags):
+def split_backward(cfg, x, dy, dh, dx, dres, w, w_rows, mean, rstd, dw_part, db_part, drop, flags, key=None):
     """Launch the split-row backward (``cfg`` from ``config.split_row``, grid = row groups x
     chunks) over (M, N) rows; ``w``: (w_rows, N) weight rows, row r using row r % w_rows (the row
-    groups must be a multiple of w_rows); ``flags``: the kernel's constexprs and num_warps.
-    Also GroupNorm's backward for long (n, g) rows (group_norm.py)."""
+    groups must be a multiple of w_rows); ``flags``: the kernel's constexprs and num_warps; ``key``:
+    the caller's launch key (launch.py), if it has one. Also GroupNorm's backward for long (n, g)
+    rows (group_norm.py)."""
     M, N = x.shape
     kp = coop.chunks_pow2(cfg.split)
     part, count = coop.workspace(M, 2, kp, config.acc_dtype(x.dtype), x.device)
     strides = (x.stride(0), dy.stride(0), dh.stride(0), dx.stride(0), dres.stride(0))
     launch(_bwd_split_kernel, cfg.grid,
         x, dy, dh, dx, dres, w, mean, rstd, part, count, dw_part, db_part, *strides, M, N, cfg.split,
-        w_rows, *drop, CHUNK=cfg.block_size, KP=kp, PREFETCH=cfg.prefetch, maxnreg=cfg.maxnreg, **flags,
+        w_rows, *drop, key=key, CHUNK=cfg.block_size, KP=kp, PREFETCH=cfg.prefetch, maxnreg=cfg.maxnreg,
+        **flags,
     )  # fmt: skip
 
 
@@ -764,25 +770,28 @@ def _backward(dy, x, weight, mean, rstd, bias_dtype, is_rms, dh=None, x_dtype=No
     )  # fmt: skip
     strides = (x.stride(0), dy.stride(0), dh_.stride(0), dx.stride(0), dres_.stride(0))
     drop = _dropout_args(dropout_p, seed)
+    # what decides the kernels' specialization, beyond the fresh outputs (launch.py's key=)
+    key = (M, N, strides, *map(tensor_spec, (x, dy, dh, weight, mean, rstd)), x_dtype, residual_dtype,
+           bias_dtype, is_rms, dropout_p > 0, int_spec(drop[0]))  # fmt: skip
     if cfg.fused:
         launch(_bwd_fused_kernel, cfg.grid,
-            x, dy, dh_, dx, dres_, w, mean, rstd, dw_part, db_part, *strides, M, N, *drop,
+            x, dy, dh_, dx, dres_, w, mean, rstd, dw_part, db_part, *strides, M, N, *drop, key=key,
             ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size, PREFETCH=cfg.prefetch, **flags,
         )  # fmt: skip
     elif cfg.split > 1:
-        split_backward(cfg, x, dy, dh_, dx, dres_, w, 1, mean, rstd, dw_part, db_part, drop, flags)
+        split_backward(cfg, x, dy, dh_, dx, dres_, w, 1, mean, rstd, dw_part, db_part, drop, flags, key)
     else:
         c1 = torch.empty(M, dtype=acc, device=x.device)
         c2 = c1 if is_rms else torch.empty_like(c1)
         sweep = config.row_sweep(M, N, x.dtype)
         launch(_bwd_row_terms_kernel, sweep.grid,
-            x, dy, w, mean, rstd, c1, c2, x.stride(0), dy.stride(0), N,
+            x, dy, w, mean, rstd, c1, c2, x.stride(0), dy.stride(0), N, key=key,
             BLOCK_N=sweep.block_size, IS_RMS=is_rms, HAS_W=has_w,
             ACC=config.tl_acc_dtype(x.dtype), num_warps=sweep.num_warps,
         )  # fmt: skip
         launch(_bwd_looped_kernel, cfg.grid,
             x, dy, dh_, dx, dres_, w, mean, rstd, c1, c2, dw_part, db_part, *strides, M, N,
-            cfg.rows_per_program, *drop, BLOCK_N=cfg.block_size, **flags,
+            cfg.rows_per_program, *drop, key=key, BLOCK_N=cfg.block_size, **flags,
         )  # fmt: skip
     dweight, dbias = reduce.sum_partials(part_buf, grad_dtypes)
     return dx, dres, dweight, dbias

@@ -60,8 +60,8 @@ def sum_partials(buf: torch.Tensor, dtypes) -> list:
     outs = [torch.empty(N, dtype=d, device=buf.device) for d in wanted]
     cfg = config.reduce(G, N, buf.device)
     launch(_sum_partials_kernel, (cfg.grid[0], len(outs)),
-        buf, outs[0], outs[-1], G, N, BLOCK_G=cfg.rows_per_program, BLOCK_N=cfg.block_size,
-        num_warps=cfg.num_warps,
+        buf, outs[0], outs[-1], G, N, key=(G, N, buf.dtype, outs[0].dtype, outs[-1].dtype),
+        BLOCK_G=cfg.rows_per_program, BLOCK_N=cfg.block_size, num_warps=cfg.num_warps,
     )  # fmt: skip
     it = iter(outs)
     return [None if d is None else next(it) for d in dtypes]

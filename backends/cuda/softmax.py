@@ -14,7 +14,7 @@ import triton.language as tl
 
 from normkit.backends.common import online_max_sum
 from normkit.backends.cuda import config, coop
-from normkit.backends.cuda.launch import launch
+from normkit.backends.cuda.launch import launch, tensor_spec
 from normkit.backends.cuda.coop import arrive, load_chunk, wait
 
 
@@ -282,17 +282,19 @@ def softmax_fwd(x, log):
     cfg = config.softmax(M, N, x.dtype, x.device)
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     flags = dict(LOG=log, ACC=config.tl_acc_dtype(x.dtype), num_warps=cfg.num_warps)
+    key = (M, N, x.stride(0), tensor_spec(x), log)  # decides the specialization (launch.py's key=)
     if cfg.fused:
-        launch(_fwd_fused_kernel, cfg.grid, x, y, x.stride(0), y.stride(0), M, N,
+        launch(_fwd_fused_kernel, cfg.grid, x, y, x.stride(0), y.stride(0), M, N, key=key,
                                     ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size, **flags)  # fmt: skip
     elif cfg.split > 1:
         kp = coop.chunks_pow2(cfg.split)
         part, count = coop.workspace(M, 2, kp, config.acc_dtype(x.dtype), x.device)
         launch(_fwd_split_kernel, cfg.grid, x, y, x.stride(0), y.stride(0), part, count, M, N, cfg.split,
-               CHUNK=cfg.block_size, KP=kp, PREFETCH=cfg.prefetch, maxnreg=cfg.maxnreg, **flags)  # fmt: skip
+               key=key, CHUNK=cfg.block_size, KP=kp, PREFETCH=cfg.prefetch, maxnreg=cfg.maxnreg,
+               **flags)  # fmt: skip
     else:
-        launch(_fwd_looped_kernel, cfg.grid, x, y, x.stride(0), y.stride(0), N, BLOCK_N=cfg.block_size,
-               **flags)
+        launch(_fwd_looped_kernel, cfg.grid, x, y, x.stride(0), y.stride(0), N, key=key,
+               BLOCK_N=cfg.block_size, **flags)
     return y
 
 
@@ -303,15 +305,16 @@ def softmax_bwd(dy, y, log):
     dx = torch.empty((M, N), dtype=y.dtype, device=y.device)
     strides = (dy.stride(0), y.stride(0), dx.stride(0))
     flags = dict(LOG=log, ACC=config.tl_acc_dtype(y.dtype), num_warps=cfg.num_warps)
+    key = (M, N, strides, tensor_spec(dy), tensor_spec(y), log)  # decides the specialization (launch.py)
     if cfg.fused:
-        launch(_bwd_fused_kernel, cfg.grid, dy, y, dx, *strides, M, N,
+        launch(_bwd_fused_kernel, cfg.grid, dy, y, dx, *strides, M, N, key=key,
                                     ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size, **flags)  # fmt: skip
     elif cfg.split > 1:
         kp = coop.chunks_pow2(cfg.split)
         part, count = coop.workspace(M, 1, kp, config.acc_dtype(y.dtype), y.device)
-        launch(_bwd_split_kernel, cfg.grid, dy, y, dx, *strides, part, count, M, N, cfg.split,
+        launch(_bwd_split_kernel, cfg.grid, dy, y, dx, *strides, part, count, M, N, cfg.split, key=key,
                                     CHUNK=cfg.block_size, KP=kp, PREFETCH=cfg.prefetch, maxnreg=cfg.maxnreg,
                                     **flags)  # fmt: skip
     else:
-        launch(_bwd_looped_kernel, cfg.grid, dy, y, dx, *strides, N, BLOCK_N=cfg.block_size, **flags)
+        launch(_bwd_looped_kernel, cfg.grid, dy, y, dx, *strides, N, key=key, BLOCK_N=cfg.block_size, **flags)
     return dx

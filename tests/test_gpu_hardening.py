@@ -743,3 +743,47 @@ def test_launch_key_checks_catch_a_key_that_misses_an_argument(run_on, monkeypat
             y, h = normkit.add_layer_norm(x, r, (n,), w, None, dropout_p=0.25, seed=seed, prenorm=True)
             h2 = normkit.add_layer_norm(x, r, (n,), w, None, dropout_p=0.25, seed=seed, prenorm=True)[1]
             assert torch.equal(h, h2), f"seed {seed}: the same seed gave another mask"
+
+
+# --- inference plans (normkit.functional._PLANS) ---------------------------------------------------
+
+PLAN_SHAPES = [((1, 4096), 1), ((3, 1000), 1), ((128, 8192), 1), ((2, 5, 64), 2), ((7, 1), 1)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64], ids=str)
+def test_inference_plans_match_reference(run_on, dtype):
+    """No-grad calls run from a plan once their signature has been seen (functional._PLANS): three
+    rounds of fresh data per signature, aligned and misaligned inputs (each its own plan), with and
+    without weight / bias, fp32 parameters with 16-bit inputs; every result matches fp64 torch and
+    carries no autograd history."""
+    from normkit import functional
+
+    gpu = _on_gpu(run_on, "cuda", dtype)  # skips here without a GPU
+    pdtypes = [dtype, torch.float32] if dtype.itemsize == 2 else [dtype]
+    with gpu, torch.no_grad():
+        for shape, nd in PLAN_SHAPES:
+            ns, numel = shape[len(shape) - nd:], math.prod(shape)
+            for rnd in range(3):
+                big = _randn(numel + 8, dtype, seed=rnd)
+                for offset in (0, 1):  # 16-byte aligned, then not
+                    x = big[offset:offset + numel].view(shape)
+                    x64 = x.double()
+                    for pd in pdtypes:
+                        w, b = _randn(ns, pd, seed=10 + rnd) + 1, _randn(ns, pd, seed=20 + rnd)
+                        w64, b64 = w.double(), b.double()
+                        calls = {
+                            "layer_norm": (normkit.layer_norm(x, ns, w, b), F.layer_norm(x64, ns, w64, b64)),
+                            "layer_norm, no weight": (normkit.layer_norm(x, list(ns)), F.layer_norm(x64, ns)),
+                            "rms_norm": (normkit.rms_norm(x, ns, w, 1e-5), F.rms_norm(x64, ns, w64, 1e-5)),
+                            "rms_norm, no weight": (normkit.rms_norm(x, ns), F.rms_norm(
+                                x64, ns, eps=torch.finfo(dtype).eps)),
+                            "softmax": (normkit.softmax(x, -1), torch.softmax(x64, -1)),
+                            "log_softmax": (normkit.log_softmax(x, x.dim() - 1), torch.log_softmax(x64, -1)),
+                        }  # fmt: skip
+                        for name, (y, y64) in calls.items():
+                            what = f"{name} {list(shape)} offset {offset} round {rnd} params {pd}"
+                            assert y.shape == x.shape and not y.requires_grad, what
+                            assert_close(y, y64, dtype, "fwd", what)
+    plans = [p for p in functional._PLANS.values() if p is not functional._NO_PLAN]
+    assert plans, "no call was served by a plan"

@@ -20,10 +20,11 @@ from normkit.backends.cuda.layer_norm import (
     add_rms_norm_fwd,
     layer_norm_bwd,
     layer_norm_fwd,
+    plan_row_norm,
     rms_norm_bwd,
     rms_norm_fwd,
 )
-from normkit.backends.cuda.softmax import softmax_bwd, softmax_fwd
+from normkit.backends.cuda.softmax import plan_softmax, softmax_bwd, softmax_fwd
 
 NAME = "cuda"
 # Every output of every contract function is a new allocation (never an input or a view of one):
@@ -51,4 +52,6 @@ __all__ = [
     "batch_norm_apply",
     "batch_norm_train_fwd",
     "batch_norm_bwd",
+    "plan_row_norm",  # optional inference plans (normkit.functional; docs/backends.md)
+    "plan_softmax",
 ]

@@ -79,15 +79,16 @@ def _active(hook):
     return hook if hook is not None and getattr(hook, "calls", True) else None
 
 
-def launch(fn, grid: tuple, *args, key: tuple | None = None, **meta) -> None:
+def launch(fn, grid: tuple, *args, key: tuple | None = None, **meta):
     """``fn[grid](*args, **meta)``, through the compiled kernel when one is cached for these
     arguments' specialization (see the module doc). Positional ``args`` are the kernel's leading
     parameters; the others (constexprs) come by keyword or take their defaults. ``key``: a hashable
     the caller guarantees to determine ``_spec(args)`` and ``meta`` for ``fn`` (checked under
-    :data:`CHECK_KEYS`); without it the key is built from the arguments."""
+    :data:`CHECK_KEYS`); without it the key is built from the arguments. Returns the cache entry
+    used (for :func:`bind`), None when there is none (interpreter, first launch of a key)."""
     if not isinstance(fn, JITFunction):
         fn[grid](*args, **meta)
-        return
+        return None
     device = torch.cuda.current_device()
     full = None
     if key is None:
@@ -102,17 +103,50 @@ def launch(fn, grid: tuple, *args, key: tuple | None = None, **meta) -> None:
         if all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata")):
             full = full or (fn, device, _spec(args), tuple(meta.items()))
             _CACHE[key] = kernel, _tail(fn, len(args), meta), full
-        return
-    kernel, tail, expected = cached
-    if CHECK_KEYS and full is None and expected != (fn, device, _spec(args), tuple(meta.items())):
+        return None
+    if CHECK_KEYS and full is None:
+        _check(cached, key, args, meta)
+    _run(cached, (*grid, 1, 1), device, args)
+    return cached
+
+
+def _check(cached, key, args, meta) -> None:
+    fn, device = cached[2][:2]
+    if cached[2] != (fn, device, _spec(args), tuple(meta.items())):
         raise AssertionError(
             f"launch key {key[2]!r} of {fn.__name__} does not determine its specialization: it was "
-            f"compiled for {expected[2:]}, called with {(_spec(args), tuple(meta.items()))}"
+            f"compiled for {cached[2][2:]}, called with {(_spec(args), tuple(meta.items()))}"
         )
-    g = (*grid, 1, 1)
+
+
+def _run(cached, g: tuple, device: int, args) -> None:
+    kernel, tail, _ = cached
     stream = torch._C._cuda_getCurrentRawStream(device)
     runtime = triton.knobs.runtime  # launch hooks (profilers) are called as Triton calls them
     enter, leave = _active(runtime.launch_enter_hook), _active(runtime.launch_exit_hook)
-    metadata = None if enter is None and leave is None else kernel.launch_metadata(grid, stream, *args, *tail)
+    metadata = None if enter is None and leave is None else kernel.launch_metadata(g, stream, *args, *tail)
     kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, metadata, enter, leave,
                *args, *tail)
+
+
+class Bound:
+    """One kernel launch site with everything but its leading arguments fixed (grid, constexprs):
+    the first call launches through :func:`launch` (compiling if needed), later ones call the
+    compiled kernel directly with no key at all. For plans (``plan_*`` in the op files), whose
+    owner keys them by a call signature that fixes the specialization; :data:`CHECK_KEYS` checks
+    that here too. Launches on the current device's current stream."""
+
+    __slots__ = ("fn", "grid", "g", "meta", "cached", "device")
+
+    def __init__(self, fn, grid: tuple, **meta):
+        self.fn, self.grid, self.g, self.meta, self.cached = fn, grid, (*grid, 1, 1), meta, None
+
+    def __call__(self, *args) -> None:
+        cached = self.cached
+        device = torch.cuda.current_device()
+        if cached is None or device != self.device:
+            self.cached, self.device = launch(self.fn, self.grid, *args, **self.meta), device
+            return
+        if CHECK_KEYS:
+            _check(cached, ("bound",), args, self.meta)
+        _run(cached, self.g, device, args)

@@ -35,7 +35,7 @@ from normkit.backends.common import (
     residual_in,
 )
 from normkit.backends.cuda import config, coop, reduce
-from normkit.backends.cuda.launch import int_spec, launch, tensor_spec
+from normkit.backends.cuda.launch import Bound, int_spec, launch, tensor_spec
 from normkit.backends.cuda.coop import arrive, load_chunk, wait
 from normkit.backends.row_norm_contract import row_norm_contract
 
@@ -70,6 +70,7 @@ def _fwd_fused_kernel(
     HAS_R: tl.constexpr,
     DROPOUT: tl.constexpr,
     ACC: tl.constexpr,  # math dtype: fp32, fp64 for fp64 inputs
+    STATS: tl.constexpr = True,  # write Mean / Rstd (False: an inference plan, nothing saved)
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
@@ -95,11 +96,13 @@ def _fwd_fused_kernel(
             shift += tl.load(R + rows64 * stride_r, mask=row_mask, other=0.0).to(ACC)
         xs = tl.where(mask, x - shift[:, None], 0.0)
         mean_s = tl.sum(xs, axis=1)[:, None] * reciprocal(N, ACC)
-        tl.store(Mean + rows[:, None], shift[:, None] + mean_s, mask=row_mask[:, None])
+        if STATS:
+            tl.store(Mean + rows[:, None], shift[:, None] + mean_s, mask=row_mask[:, None])
         xc = tl.where(mask, xs - mean_s, 0.0)
     # Two-pass variance over registers: no E[x^2] - E[x]^2 cancellation for large means.
     rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) * reciprocal(N, ACC) + exact_eps(eps, eps_lo, ACC))
-    tl.store(Rstd + rows, rstd, mask=row_mask)
+    if STATS:
+        tl.store(Rstd + rows, rstd, mask=row_mask)
     y = xc * rstd[:, None]
     if HAS_W:
         y = y * tl.load(W + cols, mask=col_mask, other=0.0).to(ACC)[None, :]
@@ -724,6 +727,37 @@ def _forward(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtype=Non
         launch(_fwd_looped_kernel, cfg.grid, *args, N, eps, tail, *drop, key=key, BLOCK_N=cfg.block_size,
                **flags)  # fmt: skip
     return y, h, mean, rstd
+
+
+def plan_row_norm(x, weight, bias, eps, is_rms):
+    """An inference plan for LayerNorm / RMSNorm calls shaped like this one (contract extension,
+    used by normkit.functional when no gradient is wanted): ``run(input, weight, bias) -> y`` for a
+    contiguous input of x's M * N elements, with weight / bias of the same presence, dtypes and
+    alignment. One kernel launch with no statistics written and nothing else allocated but y; the
+    compiled kernel is called directly (launch.Bound). None where a row takes more than one program
+    (only the fused kernel has a plan) or off the GPU."""
+    M, N = x.shape
+    cfg = config.forward(M, N, x.dtype, x.device, "rms_norm" if is_rms else "layer_norm")
+    if x.device.type != "cuda" or not cfg.fused:
+        return None
+    bound = Bound(_fwd_fused_kernel, cfg.grid, ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size,
+                  IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=bias is not None, ADD=False, HAS_R=False,
+                  DROPOUT=False, ACC=config.tl_acc_dtype(x.dtype), num_warps=cfg.num_warps,
+                  STATS=False)  # fmt: skip
+    tail, index = config.eps_tail(eps, x.device), x.device.index
+
+    def run(x, w, b):
+        y = torch.empty_like(x)
+        args = (x, x, y, y, x if w is None else w, x if b is None else b, y, y, N, N, N, N, M, N, eps, tail,
+                0, 0.0, 1.0)  # fmt: skip
+        if torch.cuda.current_device() == index:
+            bound(*args)
+        else:
+            with torch.cuda.device(index):
+                bound(*args)
+        return y
+
+    return run
 
 
 def split_backward(cfg, x, dy, dh, dx, dres, w, w_rows, mean, rstd, dw_part, db_part, drop, flags, key=None):

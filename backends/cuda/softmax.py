@@ -14,7 +14,7 @@ import triton.language as tl
 
 from normkit.backends.common import online_max_sum
 from normkit.backends.cuda import config, coop
-from normkit.backends.cuda.launch import launch, tensor_spec
+from normkit.backends.cuda.launch import Bound, launch, tensor_spec
 from normkit.backends.cuda.coop import arrive, load_chunk, wait
 
 
@@ -296,6 +296,31 @@ def softmax_fwd(x, log):
         launch(_fwd_looped_kernel, cfg.grid, x, y, x.stride(0), y.stride(0), N, key=key,
                BLOCK_N=cfg.block_size, **flags)
     return y
+
+
+def plan_softmax(x, log):
+    """An inference plan for softmax / log_softmax calls along the last dim shaped like this one
+    (contract extension, see layer_norm.plan_row_norm): ``run(input) -> y`` for a contiguous input of
+    x's M * N elements; one launch of the fused kernel, called directly. None for longer rows or off
+    the GPU."""
+    M, N = x.shape
+    cfg = config.softmax(M, N, x.dtype, x.device)
+    if x.device.type != "cuda" or not cfg.fused:
+        return None
+    bound = Bound(_fwd_fused_kernel, cfg.grid, ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size, LOG=log,
+                  ACC=config.tl_acc_dtype(x.dtype), num_warps=cfg.num_warps)  # fmt: skip
+    index = x.device.index
+
+    def run(x):
+        y = torch.empty_like(x)
+        if torch.cuda.current_device() == index:
+            bound(x, y, N, N, M, N)
+        else:
+            with torch.cuda.device(index):
+                bound(x, y, N, N, M, N)
+        return y
+
+    return run
 
 
 def softmax_bwd(dy, y, log):

@@ -260,14 +260,14 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
                     eps if type(eps) is float else None)  # fmt: skip
     plan = _PLANS.get(key) if key is not None else None
     if plan is not None and plan is not _NO_PLAN:
-        return plan(input, weight, bias)
+        return plan(input, None, weight, bias)
     backend, x, p, eps = _prepare(
         "layer_norm", input, normalized_shape, eps, torch_dtypes=True, weight=weight, bias=bias
     )
     if plan is None and key is not None:
         plan = _plan(key, backend, "plan_row_norm", x, p["weight"], p["bias"], eps, False)
         if plan is not None:
-            return plan(input, weight, bias)
+            return plan(input, None, weight, bias)
     y = ops.layer_norm_fwd(x, p["weight"], p["bias"], eps)[0]
     return _shaped(y, input)
 
@@ -283,12 +283,12 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):
                     eps if type(eps) is float else None)  # fmt: skip
     plan = _PLANS.get(key) if key is not None else None
     if plan is not None and plan is not _NO_PLAN:
-        return plan(input, weight, None)
+        return plan(input, None, weight, None)
     backend, x, p, eps = _prepare("rms_norm", input, normalized_shape, eps, weight=weight)
     if plan is None and key is not None:
         plan = _plan(key, backend, "plan_row_norm", x, p["weight"], None, eps, True)
         if plan is not None:
-            return plan(input, weight, None)
+            return plan(input, None, weight, None)
     y = ops.rms_norm_fwd(x, p["weight"], eps)[0]
     return _shaped(y, input)
 
@@ -343,6 +343,14 @@ def log_softmax(input, dim=-1, dtype=None):
 
 def _add_norm(op, x, residual, normalized_shape, weight, bias, eps, dropout_p, seed, residual_dtype,
               prenorm, is_rms):  # fmt: skip
+    # an inference plan serves calls without dropout (and no seed) and with no gradient wanted
+    plain = seed is None and type(dropout_p) in (float, int) and dropout_p == 0
+    key = _plan_key(op, x, (residual, weight, bias), _shape_key(normalized_shape),
+                    eps if type(eps) is float and plain else None, (residual_dtype,), prenorm)  # fmt: skip
+    plan = _PLANS.get(key) if key is not None else None
+    if plan is not None and plan is not _NO_PLAN:
+        y, h = plan(x, residual, weight, bias)
+        return (y, h) if prenorm else y
     if residual is not None:
         _check_tensor(op, "residual", residual, required=True)
         if isinstance(x, torch.Tensor) and residual.shape != x.shape:
@@ -370,6 +378,12 @@ def _add_norm(op, x, residual, normalized_shape, weight, bias, eps, dropout_p, s
             raise InvalidDtype(f"{op}: {name} dtype {dtype} is not supported by the {backend.NAME} "
                                f"backend; accepted: {_dtype_names(backend.SUPPORTED_DTYPES)}")  # fmt: skip
     r_rows = None if residual is None else ops.unit_stride(residual.reshape(rows.shape))
+    if plan is None and key is not None:
+        plan = _plan(key, backend, "plan_row_norm", rows, p["weight"], p.get("bias"), eps, is_rms, True,
+                     r_rows, h_dtype)  # fmt: skip
+        if plan is not None:
+            y, h = plan(x, residual, weight, bias)
+            return (y, h) if prenorm else y
     y, h = ops.add_norm_fwd(rows, r_rows, p["weight"], p.get("bias"), eps, float(dropout_p), int(seed),
                             h_dtype, is_rms)[:2]  # fmt: skip
     y, h = _shaped(y, x), _shaped(h, x)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import gc
+import itertools
 import math
 import os
 import tempfile
@@ -755,8 +756,8 @@ PLAN_SHAPES = [((1, 4096), 1), ((3, 1000), 1), ((128, 8192), 1), ((2, 5, 64), 2)
 def test_inference_plans_match_reference(run_on, dtype):
     """No-grad calls run from a plan once their signature has been seen (functional._PLANS): three
     rounds of fresh data per signature, aligned and misaligned inputs (each its own plan), with and
-    without weight / bias, fp32 parameters with 16-bit inputs; every result matches fp64 torch and
-    carries no autograd history."""
+    without weight / bias / residual, fp32 parameters and h with 16-bit inputs; every result matches
+    fp64 torch and carries no autograd history."""
     from normkit import functional
 
     gpu = _on_gpu(run_on, "cuda", dtype)  # skips here without a GPU
@@ -781,6 +782,16 @@ def test_inference_plans_match_reference(run_on, dtype):
                             "softmax": (normkit.softmax(x, -1), torch.softmax(x64, -1)),
                             "log_softmax": (normkit.log_softmax(x, x.dim() - 1), torch.log_softmax(x64, -1)),
                         }  # fmt: skip
+                        r = _randn(shape, dtype, seed=30 + rnd)
+                        for op, hd in itertools.product(("add_layer_norm", "add_rms_norm"), (None, pd)):
+                            for res in (r, None):
+                                y, h = getattr(normkit, op)(x, res, ns, w, residual_dtype=hd, prenorm=True)
+                                h64 = x64 if res is None else x64 + res.double()
+                                # y normalizes h as stored (in its dtype), as the backward sees it
+                                calls[f"{op}, h dtype {hd}, residual {res is not None}: h"] = h, h64
+                                calls[f"{op}, h dtype {hd}, residual {res is not None}: y"] = y, (
+                                    F.rms_norm(h.double(), ns, w64, torch.finfo(dtype).eps) if "rms" in op
+                                    else F.layer_norm(h.double(), ns, w64))  # fmt: skip
                         for name, (y, y64) in calls.items():
                             what = f"{name} {list(shape)} offset {offset} round {rnd} params {pd}"
                             assert y.shape == x.shape and not y.requires_grad, what

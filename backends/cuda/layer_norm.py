@@ -729,33 +729,36 @@ def _forward(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtype=Non
     return y, h, mean, rstd
 
 
-def plan_row_norm(x, weight, bias, eps, is_rms):
-    """An inference plan for LayerNorm / RMSNorm calls shaped like this one (contract extension,
-    used by normkit.functional when no gradient is wanted): ``run(input, weight, bias) -> y`` for a
-    contiguous input of x's M * N elements, with weight / bias of the same presence, dtypes and
-    alignment. One kernel launch with no statistics written and nothing else allocated but y; the
-    compiled kernel is called directly (launch.Bound). None where a row takes more than one program
-    (only the fused kernel has a plan) or off the GPU."""
+def plan_row_norm(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtype=None):
+    """An inference plan for LayerNorm / RMSNorm calls (and the add-norms without dropout, ``add``)
+    shaped like this one (contract extension, used by normkit.functional when no gradient is
+    wanted): ``run(input, residual, weight, bias)`` -> y, or (y, h) for the add-norms, for a
+    contiguous input of x's M * N elements with the other tensors of the same presence, dtypes and
+    alignment. One kernel launch with no statistics written and nothing allocated but the outputs;
+    the compiled kernel is called directly (launch.Bound). None where a row takes more than one
+    program (only the fused kernel has a plan) or off the GPU."""
     M, N = x.shape
-    cfg = config.forward(M, N, x.dtype, x.device, "rms_norm" if is_rms else "layer_norm")
+    kind = "add_norm" if add else "rms_norm" if is_rms else "layer_norm"
+    cfg = config.forward(M, N, x.dtype, x.device, kind)
     if x.device.type != "cuda" or not cfg.fused:
         return None
     bound = Bound(_fwd_fused_kernel, cfg.grid, ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size,
-                  IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=bias is not None, ADD=False, HAS_R=False,
-                  DROPOUT=False, ACC=config.tl_acc_dtype(x.dtype), num_warps=cfg.num_warps,
-                  STATS=False)  # fmt: skip
+                  IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=bias is not None, ADD=add,
+                  HAS_R=residual is not None, DROPOUT=False, ACC=config.tl_acc_dtype(x.dtype),
+                  num_warps=cfg.num_warps, STATS=False)  # fmt: skip
     tail, index = config.eps_tail(eps, x.device), x.device.index
 
-    def run(x, w, b):
+    def run(x, r, w, b):
         y = torch.empty_like(x)
-        args = (x, x, y, y, x if w is None else w, x if b is None else b, y, y, N, N, N, N, M, N, eps, tail,
-                0, 0.0, 1.0)  # fmt: skip
+        h = torch.empty_like(x, dtype=h_dtype) if add else y
+        args = (x, x if r is None else r, h, y, x if w is None else w, x if b is None else b, y, y,
+                N, N, N, N, M, N, eps, tail, 0, 0.0, 1.0)  # fmt: skip
         if torch.cuda.current_device() == index:
             bound(*args)
         else:
             with torch.cuda.device(index):
                 bound(*args)
-        return y
+        return (y, h) if add else y
 
     return run
 

@@ -145,17 +145,22 @@ _VALID: dict = {}
 VALID_SIZE = 4096  # signatures remembered; then cleared
 
 
+def _shape_key(normalized_shape):
+    """normalized_shape as a hashable, or None unless it is an int or a sequence of exact ints."""
+    if type(normalized_shape) is int:
+        return normalized_shape
+    if type(normalized_shape) in _SEQUENCES and all(type(d) is int for d in normalized_shape):
+        return tuple(normalized_shape)
+    return None
+
+
 def _signature(op, input, normalized_shape, input_name, torch_dtypes, params) -> tuple | None:
     """What the checks of :func:`_prepare` depend on (eps aside), or None where the call is not
     memoized."""
     if type(input) is not torch.Tensor or torch.compiler.is_compiling():
         return None
-    overrides = dispatch.overrides()
-    if type(normalized_shape) is int:
-        shape = normalized_shape
-    elif type(normalized_shape) in _SEQUENCES and all(type(d) is int for d in normalized_shape):
-        shape = tuple(normalized_shape)
-    else:
+    overrides, shape = dispatch.overrides(), _shape_key(normalized_shape)
+    if shape is None:
         return None
     given = []
     for p in params.values():
@@ -206,15 +211,7 @@ def _prepare(op, input, normalized_shape, eps, input_name="input", torch_dtypes=
 _PLANS: dict = {}
 PLANS_SIZE = 4096  # signatures remembered; then cleared
 _NO_PLAN = object()  # a signature the backend has no plan for (asked once)
-
-
-def _shape_key(normalized_shape):
-    """normalized_shape as a hashable, or None unless it is an int or a sequence of exact ints."""
-    if type(normalized_shape) is int:
-        return normalized_shape
-    if type(normalized_shape) in _SEQUENCES and all(type(d) is int for d in normalized_shape):
-        return tuple(normalized_shape)
-    return None
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _plan_key(op, input, tensors, *extra) -> tuple | None:
@@ -230,7 +227,8 @@ def _plan_key(op, input, tensors, *extra) -> tuple | None:
         if t is None:
             specs.append(None)
             continue
-        if not isinstance(t, torch.Tensor) or (grad and t.requires_grad) or not t.is_contiguous():
+        # plain tensors and parameters only (a tensor subclass, e.g. a DTensor, takes the full path)
+        if type(t) not in _PLAIN or (grad and t.requires_grad) or not t.is_contiguous():
             return None
         specs.append((type(t), t.shape, t.dtype, t.device, t.data_ptr() % 16 == 0))
     overrides = dispatch.overrides()

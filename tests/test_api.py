@@ -73,6 +73,35 @@ def test_memoized_signatures_keep_the_backend_of_their_overrides():
     assert len(functional._VALID) <= functional.VALID_SIZE
 
 
+def test_plan_keys_only_for_calls_a_plan_may_serve():
+    """functional._plan_key: a signature for no-grad calls on contiguous plain tensors (parameters
+    included), with the input's alignment in it; None where gradients are wanted, for strided or
+    subclassed tensors and for an argument the checks would have to see (``extra`` None)."""
+    from normkit import functional
+
+    def key(x, w, *extra):
+        return functional._plan_key("layer_norm", x, (w, None), *(extra or (8, 1e-5)))
+
+    x, w = torch.randn(4, 8), torch.randn(8)
+    p = torch.nn.Parameter(w.clone())
+    assert key(x, w) is not None and key(x, w) == key(x.clone(), w.clone())
+    assert key(x, p) is None  # grad mode on and the weight requires grad: the autograd path
+    with torch.no_grad():
+        assert key(x, p) is not None
+        assert key(x.requires_grad_(), w) is not None
+    x.requires_grad_(False)
+    misaligned = torch.randn(40)[1:33].view(4, 8)
+    assert key(misaligned, w) != key(x, w)
+    assert key(torch.randn(8, 4).t(), w) is None  # not contiguous
+    assert key(x, torch.randn(16)[::2]) is None
+
+    class Sub(torch.Tensor):
+        pass
+
+    assert key(x, w.as_subclass(Sub)) is None and key(x.as_subclass(Sub), w) is None
+    assert key(x, w, 8, None) is None  # eps not a float: the checks must see it
+
+
 def test_bias_wrong_shape_names_bias():
     with pytest.raises(normkit.InvalidArgument, match="bias has shape \\[3\\]"):
         normkit.layer_norm(torch.randn(2, 8), (8,), torch.ones(8), torch.ones(3))

@@ -85,7 +85,7 @@ def launch(fn, grid: tuple, *args, key: tuple | None = None, **meta):
     parameters; the others (constexprs) come by keyword or take their defaults. ``key``: a hashable
     the caller guarantees to determine ``_spec(args)`` and ``meta`` for ``fn`` (checked under
     :data:`CHECK_KEYS`); without it the key is built from the arguments. Returns the cache entry
-    used (for :func:`bind`), None when there is none (interpreter, first launch of a key)."""
+    used (for :class:`Bound`), None when there is none (interpreter, first launch of a key)."""
     if not isinstance(fn, JITFunction):
         fn[grid](*args, **meta)
         return None
@@ -130,23 +130,28 @@ def _run(cached, g: tuple, device: int, args) -> None:
 
 
 class Bound:
-    """One kernel launch site with everything but its leading arguments fixed (grid, constexprs):
-    the first call launches through :func:`launch` (compiling if needed), later ones call the
-    compiled kernel directly with no key at all. For plans (``plan_*`` in the op files), whose
-    owner keys them by a call signature that fixes the specialization; :data:`CHECK_KEYS` checks
-    that here too. Launches on the current device's current stream."""
+    """One kernel launch site with everything but its leading arguments fixed (grid, constexprs) on
+    CUDA device ``index``: the first call launches through :func:`launch` (compiling if needed),
+    later ones call the compiled kernel directly with no key at all. For plans (``plan_*`` in the op
+    files), whose owner keys them by a call signature that fixes the specialization; :data:`CHECK_KEYS`
+    checks that here too. Launches on the device's current stream, under its guard when another
+    device is current."""
 
-    __slots__ = ("fn", "grid", "g", "meta", "cached", "device")
+    __slots__ = ("fn", "grid", "g", "meta", "cached", "index")
 
-    def __init__(self, fn, grid: tuple, **meta):
-        self.fn, self.grid, self.g, self.meta, self.cached = fn, grid, (*grid, 1, 1), meta, None
+    def __init__(self, fn, grid: tuple, index: int, **meta):
+        self.fn, self.grid, self.g, self.meta = fn, grid, (*grid, 1, 1), meta
+        self.cached, self.index = None, index
 
     def __call__(self, *args) -> None:
-        cached = self.cached
         device = torch.cuda.current_device()
-        if cached is None or device != self.device:
-            self.cached, self.device = launch(self.fn, self.grid, *args, **self.meta), device
-            return
+        if device != self.index:
+            with torch.cuda.device(self.index):
+                return self(*args)
+        if self.cached is None:
+            self.cached = launch(self.fn, self.grid, *args, **self.meta)
+            return None
         if CHECK_KEYS:
-            _check(cached, ("bound",), args, self.meta)
-        _run(cached, self.g, device, args)
+            _check(self.cached, ("bound",), args, self.meta)
+        _run(self.cached, self.g, device, args)
+        return None

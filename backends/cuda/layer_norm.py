@@ -742,22 +742,17 @@ def plan_row_norm(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtyp
     cfg = config.forward(M, N, x.dtype, x.device, kind)
     if x.device.type != "cuda" or not cfg.fused:
         return None
-    bound = Bound(_fwd_fused_kernel, cfg.grid, ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size,
-                  IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=bias is not None, ADD=add,
-                  HAS_R=residual is not None, DROPOUT=False, ACC=config.tl_acc_dtype(x.dtype),
+    bound = Bound(_fwd_fused_kernel, cfg.grid, x.device.index, ROWS=cfg.rows_per_program,
+                  BLOCK_N=cfg.block_size, IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=bias is not None,
+                  ADD=add, HAS_R=residual is not None, DROPOUT=False, ACC=config.tl_acc_dtype(x.dtype),
                   num_warps=cfg.num_warps, STATS=False)  # fmt: skip
-    tail, index = config.eps_tail(eps, x.device), x.device.index
+    tail = config.eps_tail(eps, x.device)
 
     def run(x, r, w, b):
         y = torch.empty_like(x)
         h = torch.empty_like(x, dtype=h_dtype) if add else y
-        args = (x, x if r is None else r, h, y, x if w is None else w, x if b is None else b, y, y,
-                N, N, N, N, M, N, eps, tail, 0, 0.0, 1.0)  # fmt: skip
-        if torch.cuda.current_device() == index:
-            bound(*args)
-        else:
-            with torch.cuda.device(index):
-                bound(*args)
+        bound(x, x if r is None else r, h, y, x if w is None else w, x if b is None else b, y, y,
+              N, N, N, N, M, N, eps, tail, 0, 0.0, 1.0)  # fmt: skip
         return (y, h) if add else y
 
     return run

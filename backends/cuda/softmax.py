@@ -307,17 +307,13 @@ def plan_softmax(x, log):
     cfg = config.softmax(M, N, x.dtype, x.device)
     if x.device.type != "cuda" or not cfg.fused:
         return None
-    bound = Bound(_fwd_fused_kernel, cfg.grid, ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size, LOG=log,
-                  ACC=config.tl_acc_dtype(x.dtype), num_warps=cfg.num_warps)  # fmt: skip
-    index = x.device.index
+    bound = Bound(_fwd_fused_kernel, cfg.grid, x.device.index, ROWS=cfg.rows_per_program,
+                  BLOCK_N=cfg.block_size, LOG=log, ACC=config.tl_acc_dtype(x.dtype),
+                  num_warps=cfg.num_warps)  # fmt: skip
 
     def run(x):
         y = torch.empty_like(x)
-        if torch.cuda.current_device() == index:
-            bound(x, y, N, N, M, N)
-        else:
-            with torch.cuda.device(index):
-                bound(x, y, N, N, M, N)
+        bound(x, y, N, N, M, N)
         return y
 
     return run

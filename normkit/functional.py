@@ -206,7 +206,7 @@ def _prepare(op, input, normalized_shape, eps, input_name="input", torch_dtypes=
 # Inference plans: for calls that want no gradient, a backend may hand back a plan for the call's
 # signature (``plan_row_norm`` / ``plan_softmax``, optional in the contract): one launch, no saved
 # statistics, no checks (they passed for this signature), no autograd, no dispatch. A repeated
-# no-grad call (a served model's layers) costs ~20 us of host time on the H100 host instead of ~50
+# no-grad call (a served model's layers) costs 16-30 us of host time on the H100 host instead of 46-60
 # (docs/perf-notes.md v19). Keyed by everything the checks and the kernel's specialization depend on.
 _PLANS: dict = {}
 PLANS_SIZE = 4096  # signatures remembered; then cleared

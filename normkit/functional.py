@@ -154,12 +154,18 @@ def _shape_key(normalized_shape):
     return None
 
 
+def _overrides_key() -> tuple:
+    """The backend overrides in effect (dispatch.use_backend), as part of a memo key."""
+    overrides = dispatch.overrides()
+    return tuple(overrides.items()) if overrides else ()
+
+
 def _signature(op, input, normalized_shape, input_name, torch_dtypes, params) -> tuple | None:
     """What the checks of :func:`_prepare` depend on (eps aside), or None where the call is not
     memoized."""
     if type(input) is not torch.Tensor or torch.compiler.is_compiling():
         return None
-    overrides, shape = dispatch.overrides(), _shape_key(normalized_shape)
+    shape = _shape_key(normalized_shape)
     if shape is None:
         return None
     given = []
@@ -168,7 +174,7 @@ def _signature(op, input, normalized_shape, input_name, torch_dtypes, params) ->
             return None  # an error below
         given.append(None if p is None else (type(p), p.shape, p.dtype, p.device))
     return (op, input.shape, input.dtype, input.device, shape, input_name, torch_dtypes, tuple(params),
-            tuple(given), tuple(overrides.items()) if overrides else ())  # fmt: skip
+            tuple(given), _overrides_key())  # fmt: skip
 
 
 def _prepare(op, input, normalized_shape, eps, input_name="input", torch_dtypes=False, **params):
@@ -231,14 +237,21 @@ def _plan_key(op, input, tensors, *extra) -> tuple | None:
         if type(t) not in _PLAIN or (grad and t.requires_grad) or not t.is_contiguous():
             return None
         specs.append((type(t), t.shape, t.dtype, t.device, t.data_ptr() % 16 == 0))
-    overrides = dispatch.overrides()
     return (op, input.shape, input.dtype, input.device, input.data_ptr() % 16 == 0, tuple(specs), extra,
-            tuple(overrides.items()) if overrides else ())  # fmt: skip
+            _overrides_key())  # fmt: skip
+
+
+def _stored_plan(key):
+    """The plan remembered for ``key``; None when there is no key, no plan, or none asked for yet."""
+    plan = _PLANS.get(key) if key is not None else None
+    return None if plan is _NO_PLAN else plan
 
 
 def _plan(key, backend, name: str, rows: torch.Tensor, *args):
-    """The plan for ``key`` made by ``backend.<name>(rows, *args)``, remembered (also when there is
-    none); None when there is none."""
+    """A new plan for ``key`` made by ``backend.<name>(rows, *args)``, remembered (also when there is
+    none); None when there is none, no key, or the backend was asked before (and had none)."""
+    if key is None or key in _PLANS:
+        return None
     make = getattr(backend, name, None)
     plan = make(rows, *args) if make is not None and rows.numel() else None
     if len(_PLANS) >= PLANS_SIZE:
@@ -256,16 +269,15 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     """Same signature and semantics as :func:`torch.nn.functional.layer_norm`."""
     key = _plan_key("layer_norm", input, (weight, bias), _shape_key(normalized_shape),
                     eps if type(eps) is float else None)  # fmt: skip
-    plan = _PLANS.get(key) if key is not None else None
-    if plan is not None and plan is not _NO_PLAN:
+    plan = _stored_plan(key)
+    if plan is not None:
         return plan(input, None, weight, bias)
     backend, x, p, eps = _prepare(
         "layer_norm", input, normalized_shape, eps, torch_dtypes=True, weight=weight, bias=bias
     )
-    if plan is None and key is not None:
-        plan = _plan(key, backend, "plan_row_norm", x, p["weight"], p["bias"], eps, False)
-        if plan is not None:
-            return plan(input, None, weight, bias)
+    plan = _plan(key, backend, "plan_row_norm", x, p["weight"], p["bias"], eps, False)
+    if plan is not None:
+        return plan(input, None, weight, bias)
     y = ops.layer_norm_fwd(x, p["weight"], p["bias"], eps)[0]
     return _shaped(y, input)
 
@@ -279,14 +291,13 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):
         eps = torch.finfo(input.dtype).eps
     key = _plan_key("rms_norm", input, (weight,), _shape_key(normalized_shape),
                     eps if type(eps) is float else None)  # fmt: skip
-    plan = _PLANS.get(key) if key is not None else None
-    if plan is not None and plan is not _NO_PLAN:
+    plan = _stored_plan(key)
+    if plan is not None:
         return plan(input, None, weight, None)
     backend, x, p, eps = _prepare("rms_norm", input, normalized_shape, eps, weight=weight)
-    if plan is None and key is not None:
-        plan = _plan(key, backend, "plan_row_norm", x, p["weight"], None, eps, True)
-        if plan is not None:
-            return plan(input, None, weight, None)
+    plan = _plan(key, backend, "plan_row_norm", x, p["weight"], None, eps, True)
+    if plan is not None:
+        return plan(input, None, weight, None)
     y = ops.rms_norm_fwd(x, p["weight"], eps)[0]
     return _shaped(y, input)
 
@@ -295,8 +306,8 @@ def _softmax(op: str, input, dim, dtype, log: bool):
     along_last = type(dim) is int and type(input) is torch.Tensor and input.dim() > 0 and (
         dim in (-1, input.dim() - 1))
     key = _plan_key(op, input, (), True if along_last and dtype is None else None)
-    plan = _PLANS.get(key) if key is not None else None
-    if plan is not None and plan is not _NO_PLAN:
+    plan = _stored_plan(key)
+    if plan is not None:
         return plan(input)
     _check_tensor(op, "input", input, required=True)
     if dtype is not None:
@@ -312,7 +323,7 @@ def _softmax(op: str, input, dim, dtype, log: bool):
             f"{op}: dim {dim} is out of range for input with {input.dim()} dims; "
             f"expected a value in [{-ndim}, {ndim - 1}]"
         )
-    _backend(op, input)  # a served device and a supported dtype, or an error
+    backend = _backend(op, input)  # a served device and a supported dtype, or an error
     # Rows along `dim`: moving it last costs a transposing copy when dim is not already last. No
     # view is taken where none is needed (each view is an extra autograd node on both passes).
     last = input.dim() > 0 and dim % input.dim() == input.dim() - 1
@@ -321,10 +332,9 @@ def _softmax(op: str, input, dim, dtype, log: bool):
         rows = moved
     else:
         rows = moved.reshape(-1, moved.shape[-1]) if moved.numel() else moved.reshape(0, moved.shape[-1])
-    if plan is None and key is not None:
-        plan = _plan(key, _backend(op, input), "plan_softmax", rows, log)
-        if plan is not None:
-            return plan(input)
+    plan = _plan(key, backend, "plan_softmax", rows, log)
+    if plan is not None:
+        return plan(input)
     y = _shaped(ops.softmax_fwd(ops.unit_stride(rows), log), moved)
     return y.reshape(()) if input.dim() == 0 else y if last else y.movedim(-1, dim)
 
@@ -345,8 +355,8 @@ def _add_norm(op, x, residual, normalized_shape, weight, bias, eps, dropout_p, s
     plain = seed is None and type(dropout_p) in (float, int) and dropout_p == 0
     key = _plan_key(op, x, (residual, weight, bias), _shape_key(normalized_shape),
                     eps if type(eps) is float and plain else None, (residual_dtype,), prenorm)  # fmt: skip
-    plan = _PLANS.get(key) if key is not None else None
-    if plan is not None and plan is not _NO_PLAN:
+    plan = _stored_plan(key)
+    if plan is not None:
         y, h = plan(x, residual, weight, bias)
         return (y, h) if prenorm else y
     if residual is not None:
@@ -376,12 +386,11 @@ def _add_norm(op, x, residual, normalized_shape, weight, bias, eps, dropout_p, s
             raise InvalidDtype(f"{op}: {name} dtype {dtype} is not supported by the {backend.NAME} "
                                f"backend; accepted: {_dtype_names(backend.SUPPORTED_DTYPES)}")  # fmt: skip
     r_rows = None if residual is None else ops.unit_stride(residual.reshape(rows.shape))
-    if plan is None and key is not None:
-        plan = _plan(key, backend, "plan_row_norm", rows, p["weight"], p.get("bias"), eps, is_rms, True,
-                     r_rows, h_dtype)  # fmt: skip
-        if plan is not None:
-            y, h = plan(x, residual, weight, bias)
-            return (y, h) if prenorm else y
+    plan = _plan(key, backend, "plan_row_norm", rows, p["weight"], p.get("bias"), eps, is_rms, True,
+                 r_rows, h_dtype)  # fmt: skip
+    if plan is not None:
+        y, h = plan(x, residual, weight, bias)
+        return (y, h) if prenorm else y
     y, h = ops.add_norm_fwd(rows, r_rows, p["weight"], p.get("bias"), eps, float(dropout_p), int(seed),
                             h_dtype, is_rms)[:2]  # fmt: skip
     y, h = _shaped(y, x), _shaped(h, x)

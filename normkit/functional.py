@@ -209,36 +209,45 @@ def _prepare(op, input, normalized_shape, eps, input_name="input", torch_dtypes=
     return backend, x, flat, eps
 
 
-# Inference plans: for calls that want no gradient, a backend may hand back a plan for the call's
-# signature (``plan_row_norm`` / ``plan_softmax``, optional in the contract): one launch, no saved
-# statistics, no checks (they passed for this signature), no autograd, no dispatch. A repeated
-# no-grad call (a served model's layers) costs 16-30 us of host time on the H100 host instead of 46-60
-# (docs/perf-notes.md v19). Keyed by everything the checks and the kernel's specialization depend on.
+# Plans: a backend may hand back a plan for a call's signature (``plan_row_norm`` / ``plan_softmax``,
+# optional in the contract). An inference plan (no gradient wanted) is one launch, no saved
+# statistics, no checks (they passed for this signature), no autograd, no dispatch: a repeated no-grad
+# call (a served model's layers) costs 16-30 us of host time on the H100 host instead of 46-60
+# (docs/perf-notes.md v19). A training plan (gradients wanted) is a forward and a backward run by
+# one lean autograd.Function (ops.RowNormTraining, AddNormTraining, SoftmaxTraining) with the same
+# direct launches (perf-notes v20). Keyed by everything the checks
+# and the kernels' specialization depend on, and by whether gradients are wanted.
 _PLANS: dict = {}
 PLANS_SIZE = 4096  # signatures remembered; then cleared
 _NO_PLAN = object()  # a signature the backend has no plan for (asked once)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_TRAINING = {"layer_norm": ops.RowNormTraining, "rms_norm": ops.RowNormTraining,
+             "add_layer_norm": ops.AddNormTraining, "add_rms_norm": ops.AddNormTraining,
+             "softmax": ops.SoftmaxTraining, "log_softmax": ops.SoftmaxTraining}  # fmt: skip
 
 
 def _plan_key(op, input, tensors, *extra) -> tuple | None:
-    """The signature of a call an inference plan may serve, or None: gradients wanted, a trace, a
-    non-contiguous or subclassed input, a non-contiguous parameter, or an ``extra`` left None."""
+    """The signature of a call a plan may serve, or None: a trace, a non-contiguous or subclassed
+    input, a non-contiguous parameter, or an ``extra`` left None. Its last entry says whether
+    gradients are wanted (grad mode on and a tensor that requires grad): a training plan."""
     if type(input) is not torch.Tensor or None in extra or torch.compiler.is_compiling():
         return None
-    grad = torch.is_grad_enabled()
-    if (grad and input.requires_grad) or not input.is_contiguous():
+    if not input.is_contiguous():
         return None
+    grad = torch.is_grad_enabled()
+    train = grad and input.requires_grad
     specs = []
     for t in tensors:
         if t is None:
             specs.append(None)
             continue
         # plain tensors and parameters only (a tensor subclass, e.g. a DTensor, takes the full path)
-        if type(t) not in _PLAIN or (grad and t.requires_grad) or not t.is_contiguous():
+        if type(t) not in _PLAIN or not t.is_contiguous():
             return None
+        train = train or (grad and t.requires_grad)
         specs.append((type(t), t.shape, t.dtype, t.device, t.data_ptr() % 16 == 0))
     return (op, input.shape, input.dtype, input.device, input.data_ptr() % 16 == 0, tuple(specs), extra,
-            _overrides_key())  # fmt: skip
+            _overrides_key(), train)  # fmt: skip
 
 
 def _stored_plan(key):
@@ -248,12 +257,18 @@ def _stored_plan(key):
 
 
 def _plan(key, backend, name: str, rows: torch.Tensor, *args):
-    """A new plan for ``key`` made by ``backend.<name>(rows, *args)``, remembered (also when there is
+    """A new plan for ``key`` made by ``backend.<name>(rows, *args)`` (with ``grad=True`` for a
+    training key, its (forward, backward) wrapped for autograd), remembered (also when there is
     none); None when there is none, no key, or the backend was asked before (and had none)."""
     if key is None or key in _PLANS:
         return None
     make = getattr(backend, name, None)
-    plan = make(rows, *args) if make is not None and rows.numel() else None
+    plan = None
+    if make is not None and rows.numel():
+        train = key[-1]
+        plan = make(rows, *args, grad=True) if train else make(rows, *args)
+        if train and plan is not None:
+            plan = _TRAINING[key[0]](*plan)
     if len(_PLANS) >= PLANS_SIZE:
         _PLANS.clear()
     _PLANS[key] = _NO_PLAN if plan is None else plan
@@ -351,7 +366,7 @@ def log_softmax(input, dim=-1, dtype=None):
 
 def _add_norm(op, x, residual, normalized_shape, weight, bias, eps, dropout_p, seed, residual_dtype,
               prenorm, is_rms):  # fmt: skip
-    # an inference plan serves calls without dropout (and no seed) and with no gradient wanted
+    # a plan serves calls without dropout (and no seed)
     plain = seed is None and type(dropout_p) in (float, int) and dropout_p == 0
     key = _plan_key(op, x, (residual, weight, bias), _shape_key(normalized_shape),
                     eps if type(eps) is float and plain else None, (residual_dtype,), prenorm)  # fmt: skip

@@ -480,6 +480,115 @@ def _batch_norm_train_backward(ctx, dy, *_stats):
 batch_norm_train.register_autograd(_batch_norm_train_backward, setup_context=_batch_norm_train_setup)
 
 
+# --- training plans: calls that want gradients, run from a backend's plan ------------------------
+
+
+def _dense(grad: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
+    """An incoming gradient as a plan's backward takes it: contiguous, 16-byte aligned, in ``dtype``
+    (a copy only where it is not, e.g. the expanded gradient of a sum)."""
+    if grad is None or (grad.dtype is dtype and grad.is_contiguous() and grad.data_ptr() % 16 == 0):
+        return grad
+    return grad.to(dtype, memory_format=torch.contiguous_format, copy=True)
+
+
+def _param_shaped(grad: Optional[Tensor], shape) -> Optional[Tensor]:
+    """A plan's (N,) parameter gradient in the parameters' shape (``shape``: None when 1-D)."""
+    return grad if grad is None or shape is None else grad.view(shape)
+
+
+def _params_shape(weight: Optional[Tensor], bias: Optional[Tensor]):
+    """normalized_shape where the parameters are not 1-D (their gradients are viewed so), else None."""
+    param = weight if weight is not None else bias
+    return None if param is None or param.dim() == 1 else param.shape
+
+
+class _PlannedRowNorm(torch.autograd.Function):
+    """LayerNorm / RMSNorm from a training plan (``plan_row_norm(..., grad=True)``): the plan's
+    forward (statistics written) and backward, with no operator, dispatch or argument handling."""
+
+    @staticmethod
+    def forward(ctx, plan, x, weight, bias):
+        y, _, mean, rstd = plan.forward(x, None, weight, bias)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.plan, ctx.shape = plan, _params_shape(weight, bias)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        x, weight, mean, rstd = ctx.saved_tensors
+        dx, _, dw, db = ctx.plan.backward(_dense(dy, x.dtype), None, x, weight, mean, rstd)
+        return None, dx, _param_shaped(dw, ctx.shape), _param_shaped(db, ctx.shape)
+
+
+class _PlannedAddNorm(torch.autograd.Function):
+    """The add-norms without dropout from a training plan: (y, h) with h = x + residual."""
+
+    @staticmethod
+    def forward(ctx, plan, x, residual, weight, bias):
+        ctx.set_materialize_grads(False)  # h's gradient stays None when h is unused: no read of zeros
+        y, h, mean, rstd = plan.forward(x, residual, weight, bias)
+        ctx.save_for_backward(h, weight, mean, rstd)
+        ctx.plan, ctx.shape, ctx.x_dtype = plan, _params_shape(weight, bias), x.dtype
+        return y, h
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy, dh):
+        h, weight, mean, rstd = ctx.saved_tensors
+        dy, dh = _dense(dy, ctx.x_dtype), _dense(dh, h.dtype)
+        dx, dres, dw, db = ctx.plan.backward(dy, dh, h, weight, mean, rstd)
+        return None, dx, dres, _param_shaped(dw, ctx.shape), _param_shaped(db, ctx.shape)
+
+
+class _PlannedSoftmax(torch.autograd.Function):
+    """softmax / log_softmax along the last dim from a training plan."""
+
+    @staticmethod
+    def forward(ctx, plan, x):
+        y = plan.forward(x)
+        ctx.save_for_backward(y)
+        ctx.plan = plan
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        (y,) = ctx.saved_tensors
+        return None, ctx.plan.backward(_dense(dy, y.dtype), y)
+
+
+class RowNormTraining:
+    """A backend's training plan for a LayerNorm / RMSNorm signature (``plan_row_norm(..., grad=True)``
+    -> (forward, backward)), called as its inference plan is: ``plan(input, None, weight, bias)``."""
+
+    __slots__ = ("forward", "backward")
+
+    def __init__(self, forward, backward):
+        self.forward, self.backward = forward, backward
+
+    def __call__(self, x, residual, weight, bias):
+        return _PlannedRowNorm.apply(self, x, weight, bias)
+
+
+class AddNormTraining(RowNormTraining):
+    """A backend's training plan for an add-norm signature: ``plan(x, residual, weight, bias)`` -> (y, h)."""
+
+    __slots__ = ()
+
+    def __call__(self, x, residual, weight, bias):
+        return _PlannedAddNorm.apply(self, x, residual, weight, bias)
+
+
+class SoftmaxTraining(RowNormTraining):
+    """A backend's training plan for a softmax / log_softmax signature: ``plan(input)``."""
+
+    __slots__ = ()
+
+    def __call__(self, x):
+        return _PlannedSoftmax.apply(self, x)
+
+
 def unit_stride(rows: Tensor) -> Tensor:
     """Kernels take any row stride but need unit-stride columns: copy only when they are not."""
     return rows.contiguous() if rows.numel() and rows.stride(1) != 1 else rows

@@ -1,5 +1,8 @@
 """Public API: dispatch, argument errors (type + the argument named), empty tensors."""
 
+import sys
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -74,9 +77,10 @@ def test_memoized_signatures_keep_the_backend_of_their_overrides():
 
 
 def test_plan_keys_only_for_calls_a_plan_may_serve():
-    """functional._plan_key: a signature for no-grad calls on contiguous plain tensors (parameters
-    included), with the input's alignment in it; None where gradients are wanted, for strided or
-    subclassed tensors and for an argument the checks would have to see (``extra`` None)."""
+    """functional._plan_key: a signature for calls on contiguous plain tensors (parameters
+    included), with the input's alignment in it and, last, whether gradients are wanted (a training
+    plan); None for strided or subclassed tensors and for an argument the checks would have to see
+    (``extra`` None)."""
     from normkit import functional
 
     def key(x, w, *extra):
@@ -85,10 +89,12 @@ def test_plan_keys_only_for_calls_a_plan_may_serve():
     x, w = torch.randn(4, 8), torch.randn(8)
     p = torch.nn.Parameter(w.clone())
     assert key(x, w) is not None and key(x, w) == key(x.clone(), w.clone())
-    assert key(x, p) is None  # grad mode on and the weight requires grad: the autograd path
+    assert key(x, w)[-1] is False
+    assert key(x, p)[-1] is True  # grad mode on and the weight requires grad: a training plan
+    assert key(x.clone().requires_grad_(), w)[-1] is True
     with torch.no_grad():
-        assert key(x, p) is not None
-        assert key(x.requires_grad_(), w) is not None
+        assert key(x, p)[-1] is False
+        assert key(x.requires_grad_(), w)[-1] is False
     x.requires_grad_(False)
     misaligned = torch.randn(40)[1:33].view(4, 8)
     assert key(misaligned, w) != key(x, w)
@@ -100,6 +106,139 @@ def test_plan_keys_only_for_calls_a_plan_may_serve():
 
     assert key(x, w.as_subclass(Sub)) is None and key(x.as_subclass(Sub), w) is None
     assert key(x, w, 8, None) is None  # eps not a float: the checks must see it
+
+
+def _planning_backend(calls: list):
+    """The reference backend plus training plans built from its own contract functions, recording
+    each plan call in ``calls`` (the CUDA backend's plans need a GPU; this checks the front end's
+    plumbing: keys, autograd, gradient layout and dtypes, parameter shapes)."""
+    from normkit import reference as ref
+
+    module = types.ModuleType("normkit_test_planning_backend")
+    module.__dict__.update({k: v for k, v in vars(ref).items() if not k.startswith("__")})
+
+    def dense(g, dtype):
+        assert g is None or (g.is_contiguous() and g.dtype == dtype and g.data_ptr() % 16 == 0)
+        return g
+
+    def plan_row_norm(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtype=None, grad=False):
+        if not grad:
+            return None
+        n, x_dtype, bias_dtype = x.shape[1], x.dtype, None if bias is None else bias.dtype
+        res_dtype = None if residual is None else residual.dtype
+
+        def rows(t):
+            return None if t is None else t.reshape(-1, n)
+
+        def flat(p):
+            return None if p is None else p.reshape(n)
+
+        def forward(inp, r, w, b):
+            calls.append("row_norm forward")
+            if add and is_rms:
+                y, h, rstd = ref.add_rms_norm_fwd(rows(inp), rows(r), flat(w), eps, 0.0, 0, h_dtype)
+                mean = rstd
+            elif add:
+                y, h, mean, rstd = ref.add_layer_norm_fwd(rows(inp), rows(r), flat(w), flat(b), eps, 0.0, 0,
+                                                          h_dtype)  # fmt: skip
+            elif is_rms:
+                (y, rstd), h = ref.rms_norm_fwd(rows(inp), flat(w), eps), None
+                mean = rstd
+            else:
+                (y, mean, rstd), h = ref.layer_norm_fwd(rows(inp), flat(w), flat(b), eps), None
+            return y.view(inp.shape), None if h is None else h.view(inp.shape), mean, rstd
+
+        def backward(dy, dh, xn, w, mean, rstd):
+            calls.append("row_norm backward")
+            dy, dh = rows(dense(dy, x_dtype)), rows(dense(dh, xn.dtype))
+            if add and is_rms:
+                (dx, dres, dw), db = ref.add_rms_norm_bwd(dy, dh, rows(xn), flat(w), rstd, 0.0, 0, x_dtype,
+                                                          res_dtype), None  # fmt: skip
+            elif add:
+                dx, dres, dw, db = ref.add_layer_norm_bwd(dy, dh, rows(xn), flat(w), mean, rstd, bias_dtype,
+                                                          0.0, 0, x_dtype, res_dtype)  # fmt: skip
+            elif is_rms:
+                (dx, dw), dres, db = ref.rms_norm_bwd(dy, rows(xn), flat(w), rstd), None, None
+            else:
+                (dx, dw, db), dres = ref.layer_norm_bwd(dy, rows(xn), flat(w), mean, rstd, bias_dtype), None
+            return dx.view(xn.shape), None if dres is None else dres.view(xn.shape), dw, db
+
+        return forward, backward
+
+    def plan_softmax(x, log, grad=False):
+        if not grad:
+            return None
+        n = x.shape[1]
+
+        def forward(inp):
+            calls.append("softmax forward")
+            return ref.softmax_fwd(inp.reshape(-1, n), log).view(inp.shape)
+
+        def backward(dy, y):
+            calls.append("softmax backward")
+            return ref.softmax_bwd(dense(dy, y.dtype).reshape(-1, n), y.reshape(-1, n), log).view(y.shape)
+
+        return forward, backward
+
+    module.plan_row_norm, module.plan_softmax = plan_row_norm, plan_softmax
+    return module
+
+
+def _training_cases(x, r, w, b, ns):
+    """name: (normkit's call, torch's, the inputs to differentiate), for x and r (4-D), w and b."""
+    f64, h = torch.float64, x + r.double()
+    return {
+        "layer_norm": (lambda: normkit.layer_norm(x, ns, w, b), lambda: F.layer_norm(x, ns, w, b), (x, w, b)),
+        "rms_norm": (lambda: normkit.rms_norm(x, list(ns), w, 1e-6), lambda: F.rms_norm(x, ns, w, 1e-6),
+                     (x, w)),
+        "softmax": (lambda: normkit.softmax(x, -1), lambda: torch.softmax(x, -1), (x,)),
+        "log_softmax": (lambda: normkit.log_softmax(x, 3), lambda: torch.log_softmax(x, -1), (x,)),
+        "add_layer_norm": (lambda: normkit.add_layer_norm(x, r, ns, w, b, residual_dtype=f64),
+                           lambda: F.layer_norm(h, ns, w, b), (x, r, w, b)),
+        "add_rms_norm, prenorm": (lambda: sum(normkit.add_rms_norm(x, r, ns, w, 1e-6, residual_dtype=f64,
+                                                                   prenorm=True)),
+                                  lambda: F.rms_norm(h, ns, w, 1e-6) + h, (x, r, w)),
+    }  # fmt: skip
+
+
+def test_training_plans_run_forward_and_backward(monkeypatch):
+    """Calls that want gradients run from a backend's training plan once their signature has been
+    seen: the forward and backward both come from the plan, the gradients match torch in fp64 (with
+    an expanded incoming gradient and a multi-dim normalized_shape), parameter gradients take the
+    parameters' shape, the add-norms' x and residual gradients their dtypes (with and without h's
+    own gradient), and a no-grad call of the same signature does not use the training plan."""
+    from normkit import functional
+
+    calls: list = []
+    module = _planning_backend(calls)
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    functional._PLANS.clear()
+    ns = (5, 6)
+    with dispatch.use_backend("cpu", module.__name__):
+        for rnd in range(3):
+            x = torch.randn(3, 4, 5, 6, dtype=torch.float64, requires_grad=True)
+            r = torch.randn(3, 4, 5, 6, dtype=torch.float32, requires_grad=True)
+            w, b = (torch.nn.Parameter(torch.randn(ns, dtype=torch.float64)) for _ in range(2))
+            for name, (ours, reference, inputs) in _training_cases(x, r, w, b, ns).items():
+                calls.clear()
+                y, yr = ours(), reference()
+                torch.testing.assert_close(y, yr, msg=name)
+                for dy in (torch.randn_like(y), torch.randn(6, dtype=y.dtype).expand(y.shape)):
+                    grads = torch.autograd.grad(y, inputs, dy, retain_graph=True)
+                    expected = torch.autograd.grad(yr, inputs, dy, retain_graph=True)
+                    for g, e, t in zip(grads, expected, inputs):
+                        assert g.shape == e.shape and g.dtype == t.dtype, name
+                        torch.testing.assert_close(g, e.to(t.dtype), msg=name)
+                family = "softmax" if "softmax" in name else "row_norm"
+                # each round's first call is served by the plan (asked for in round 0, reused later)
+                assert calls == [f"{family} forward"] + [f"{family} backward"] * 2, (name, rnd, calls)
+                with torch.no_grad():
+                    calls.clear()
+                    torch.testing.assert_close(ours(), yr.detach(), msg=name)
+                    assert calls == [], name  # no inference plan here: the full path
+    plans = [p for p in functional._PLANS.values() if p is not functional._NO_PLAN]
+    assert {type(p).__name__ for p in plans} == {"RowNormTraining", "AddNormTraining", "SoftmaxTraining"}
+    functional._PLANS.clear()
 
 
 def test_bias_wrong_shape_names_bias():

@@ -798,3 +798,66 @@ def test_inference_plans_match_reference(run_on, dtype):
                             assert_close(y, y64, dtype, "fwd", what)
     plans = [p for p in functional._PLANS.values() if p is not functional._NO_PLAN]
     assert plans, "no call was served by a plan"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64], ids=str)
+def test_training_plans_match_reference(run_on, dtype):
+    """Calls that want gradients run from a training plan once their signature has been seen
+    (functional._PLANS, ops.RowNormTraining / SoftmaxTraining): two rounds of fresh data per
+    signature, aligned and misaligned inputs, with and without weight / bias / residual, fp32
+    parameters with 16-bit inputs, the add-norms with and without h's own gradient, incoming
+    gradients fresh, misaligned and expanded (copied by the plan's Function); outputs and every
+    gradient (dtype and shape of its input) match fp64 torch, and a second backward gives bitwise
+    equal gradients."""
+    from normkit import functional
+
+    gpu = _on_gpu(run_on, "cuda", dtype)  # skips here without a GPU
+    pdtypes = [dtype, torch.float32] if dtype.itemsize == 2 else [dtype]
+    with gpu:
+        for (shape, nd), rnd, offset, pd in itertools.product(PLAN_SHAPES, range(2), (0, 1), pdtypes):
+            ns, numel = shape[len(shape) - nd:], math.prod(shape)
+            x = _randn(numel + 8, dtype, seed=rnd)[offset:offset + numel].view(shape).requires_grad_()
+            w = torch.nn.Parameter(_randn(ns, pd, seed=10 + rnd) + 1)
+            b = torch.nn.Parameter(_randn(ns, pd, seed=20 + rnd))
+            r = _randn(shape, dtype, seed=30 + rnd).requires_grad_()
+            x64, r64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, r, w, b))
+            eps, hd = torch.finfo(dtype).eps, torch.float32 if dtype.itemsize == 2 else dtype  # h: exact sums
+            calls = {
+                "layer_norm": (normkit.layer_norm(x, ns, w, b), F.layer_norm(x64, ns, w64, b64), (x, w, b),
+                               (x64, w64, b64)),
+                "layer_norm, no bias": (normkit.layer_norm(x, list(ns), w), F.layer_norm(x64, ns, w64),
+                                        (x, w), (x64, w64)),
+                "layer_norm, no params": (normkit.layer_norm(x, ns), F.layer_norm(x64, ns), (x,), (x64,)),
+                "rms_norm": (normkit.rms_norm(x, ns, w), F.rms_norm(x64, ns, w64, eps), (x, w), (x64, w64)),
+                "rms_norm, no weight": (normkit.rms_norm(x, ns), F.rms_norm(x64, ns, eps=eps), (x,), (x64,)),
+                "softmax": (normkit.softmax(x, -1), torch.softmax(x64, -1), (x,), (x64,)),
+                "log_softmax": (normkit.log_softmax(x, -1), torch.log_softmax(x64, -1), (x,), (x64,)),
+                "add_layer_norm": (normkit.add_layer_norm(x, r, ns, w, b, residual_dtype=hd),
+                                   F.layer_norm(x64 + r64, ns, w64, b64), (x, r, w, b), (x64, r64, w64, b64)),
+                "add_rms_norm, prenorm, no residual": (
+                    (lambda y, h: y + h.to(dtype))(*normkit.add_rms_norm(x, None, ns, w, residual_dtype=hd,
+                                                                         prenorm=True)),
+                    F.rms_norm(x64, ns, w64, eps) + x64, (x, w), (x64, w64)),
+            }  # fmt: skip
+            dys = {
+                "fresh": _randn(shape, dtype, seed=40 + rnd),
+                "misaligned": _randn(numel + 8, dtype, seed=50 + rnd)[1:1 + numel].view(shape),
+                "expanded": _randn(shape[-1], dtype, seed=60 + rnd).expand(shape),
+            }
+            for name, (y, y64, inputs, inputs64) in calls.items():
+                what = f"{name} {list(shape)} offset {offset} round {rnd} params {pd}"
+                assert y.requires_grad and y.shape == x.shape, what
+                assert_close(y, y64, dtype, "fwd", what)
+                for kind, dy in dys.items():
+                    grads = torch.autograd.grad(y, inputs, dy, retain_graph=True)
+                    again = torch.autograd.grad(y, inputs, dy, retain_graph=True)
+                    expected = torch.autograd.grad(y64, inputs64, dy.double(), retain_graph=True)
+                    for i, (g, g2, e, t) in enumerate(zip(grads, again, expected, inputs)):
+                        label = f"{what}, {kind} dy: gradient of input {i}"
+                        assert g.dtype == t.dtype and g.shape == t.shape, label
+                        tol = "param" if isinstance(t, torch.nn.Parameter) else "bwd"
+                        assert_close(g, e, dtype, tol, label, rows=numel // shape[-1])
+                        assert torch.equal(g, g2), f"{label} differs between two runs"
+    trained = [p for p in functional._PLANS.values() if type(p).__name__.endswith("Training")]
+    assert {type(p).__name__ for p in trained} == {"RowNormTraining", "AddNormTraining", "SoftmaxTraining"}

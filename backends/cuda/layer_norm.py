@@ -353,8 +353,8 @@ def _bwd_fused_kernel(
     W,  # (N,) weight (unread unless HAS_W)
     Mean,  # (M,) forward row means (unread when IS_RMS)
     Rstd,  # (M,) forward 1 / sqrt(var + eps)
-    DW_part,  # (G, N) out, ACC: row g = program g's sum of dy * xhat (written when HAS_W)
-    DB_part,  # (G, N) out, ACC: row g = program g's sum of dy (written when HAS_DB)
+    DW_part,  # (G, N) out, ACC: row g = program g's sum of dy * xhat (written when HAS_W); G = 1: dweight
+    DB_part,  # (G, N) out, ACC: row g = program g's sum of dy (written when HAS_DB); G = 1: dbias
     stride_x,
     stride_dy,
     stride_dh,
@@ -432,9 +432,9 @@ def _bwd_fused_kernel(
         if HAS_DB:
             db += dy
     if HAS_W:
-        tl.store(DW_part + pid * N + cols, tl.sum(dw, axis=0), mask=col_mask)
+        tl.store(DW_part + pid * N + cols, tl.sum(dw, axis=0).to(DW_part.dtype.element_ty), mask=col_mask)
     if HAS_DB:
-        tl.store(DB_part + pid * N + cols, tl.sum(db, axis=0), mask=col_mask)
+        tl.store(DB_part + pid * N + cols, tl.sum(db, axis=0).to(DB_part.dtype.element_ty), mask=col_mask)
 
 
 @triton.jit
@@ -729,24 +729,46 @@ def _forward(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtype=Non
     return y, h, mean, rstd
 
 
-def plan_row_norm(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtype=None):
-    """An inference plan for LayerNorm / RMSNorm calls (and the add-norms without dropout, ``add``)
-    shaped like this one (contract extension, used by normkit.functional when no gradient is
-    wanted): ``run(input, residual, weight, bias)`` -> y, or (y, h) for the add-norms, for a
-    contiguous input of x's M * N elements with the other tensors of the same presence, dtypes and
-    alignment. One kernel launch with no statistics written and nothing allocated but the outputs;
-    the compiled kernel is called directly (launch.Bound). None where a row takes more than one
-    program (only the fused kernel has a plan) or off the GPU."""
+def plan_row_norm(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtype=None, grad=False):
+    """A plan for LayerNorm / RMSNorm calls (and the add-norms without dropout, ``add``) shaped like
+    this one (contract extension, used by normkit.functional), for contiguous inputs of x's M * N
+    elements with the other tensors of the same presence, dtypes and alignment; the compiled kernels
+    are called directly (launch.Bound). None where a row takes more than one program (only the
+    fused kernels have plans) or off the GPU.
+
+    Inference (``grad`` False): ``run(input, residual, weight, bias)`` -> y, or (y, h) for the
+    add-norms: one launch with no statistics written and nothing allocated but the outputs.
+    Training (``grad``): ``(forward, backward)``. ``forward(input, residual, weight, bias)`` -> (y,
+    h, mean, rstd), h None but for the add-norms, mean = rstd for RMSNorm. ``backward(dy, dh, xn,
+    weight, mean, rstd)`` -> (dx, dresidual, dweight, dbias), None where there is no such input;
+    ``xn`` is the normalized tensor (input, or h), dy in the input's dtype (None: zeros, add-norms
+    only), dh h's gradient or None; both contiguous and 16-byte aligned. The parameter gradients
+    have shape (N,)."""
     M, N = x.shape
     kind = "add_norm" if add else "rms_norm" if is_rms else "layer_norm"
     cfg = config.forward(M, N, x.dtype, x.device, kind)
     if x.device.type != "cuda" or not cfg.fused:
         return None
+    if grad:
+        backward = _plan_backward(M, N, h_dtype if add else x.dtype, x.device, weight, bias, is_rms,
+                                  x.dtype, None if residual is None else residual.dtype)  # fmt: skip
+        if backward is None:
+            return None
     bound = Bound(_fwd_fused_kernel, cfg.grid, x.device.index, ROWS=cfg.rows_per_program,
                   BLOCK_N=cfg.block_size, IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=bias is not None,
                   ADD=add, HAS_R=residual is not None, DROPOUT=False, ACC=config.tl_acc_dtype(x.dtype),
-                  num_warps=cfg.num_warps, STATS=False)  # fmt: skip
+                  num_warps=cfg.num_warps, STATS=grad)  # fmt: skip
     tail = config.eps_tail(eps, x.device)
+    stat = config.acc_dtype(x.dtype)
+
+    def forward(x, r, w, b):
+        y = torch.empty_like(x)
+        h = torch.empty_like(x, dtype=h_dtype) if add else None
+        rstd = torch.empty(M, dtype=stat, device=x.device)
+        mean = rstd if is_rms else torch.empty_like(rstd)
+        bound(x, x if r is None else r, y if h is None else h, y, x if w is None else w,
+              x if b is None else b, mean, rstd, N, N, N, N, M, N, eps, tail, 0, 0.0, 1.0)  # fmt: skip
+        return y, h, mean, rstd
 
     def run(x, r, w, b):
         y = torch.empty_like(x)
@@ -755,7 +777,49 @@ def plan_row_norm(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtyp
               N, N, N, N, M, N, eps, tail, 0, 0.0, 1.0)  # fmt: skip
         return (y, h) if add else y
 
-    return run
+    return (forward, backward) if grad else run
+
+
+def _plan_backward(M, N, dtype, device, weight, bias, is_rms, x_dtype, residual_dtype):
+    """The training plan's backward (see :func:`plan_row_norm`) for (M, N) normalized rows of
+    ``dtype`` (the input's, or h's), None unless the fused backward serves: the fused kernel
+    (compiled with and without h's gradient, as calls come), then one launch summing the programs'
+    partials; a grid of one program writes dweight / dbias itself (its partials are the sums: same
+    values, one launch less). dx in ``x_dtype``; dresidual in ``residual_dtype``, None for none."""
+    cfg = config.backward(M, N, dtype, device, is_rms)
+    if not cfg.fused:
+        return None
+    has_w, has_db, has_dres = weight is not None, bias is not None, residual_dtype is not None
+    dw_dtype, db_dtype = (weight.dtype if has_w else None), (bias.dtype if has_db else None)
+    parts, direct = has_w + has_db, cfg.grid[0] == 1
+    kernels = [Bound(_bwd_fused_kernel, cfg.grid, device.index, ROWS=cfg.rows_per_program,
+                     BLOCK_N=cfg.block_size, PREFETCH=cfg.prefetch, IS_RMS=is_rms, HAS_W=has_w, HAS_DB=has_db,
+                     HAS_DH=has_dh, HAS_DRES=has_dres, DROPOUT=False, ACC=config.tl_acc_dtype(dtype),
+                     num_warps=cfg.num_warps) for has_dh in (False, True)]  # fmt: skip
+    summed = None if direct or not parts else reduce.plan_sum(cfg.grid[0], N, (dw_dtype, db_dtype), device)
+    acc, G = config.acc_dtype(dtype), cfg.grid[0]
+
+    def backward(dy, dh, xn, w, mean, rstd):
+        if dy is None:
+            dy = torch.zeros_like(xn, dtype=x_dtype)
+        dx = torch.empty_like(xn, dtype=x_dtype)
+        dres = torch.empty_like(xn, dtype=residual_dtype) if has_dres else None
+        if direct or not parts:
+            dw = torch.empty(N, dtype=dw_dtype, device=xn.device) if has_w else None
+            db = torch.empty(N, dtype=db_dtype, device=xn.device) if has_db else None
+            dw_part, db_part = (rstd if dw is None else dw), (rstd if db is None else db)
+        else:
+            buf = torch.empty((parts, G, N), dtype=acc, device=xn.device)
+            dw_part = buf[0] if has_w else rstd
+            db_part = buf[parts - 1] if has_db else rstd
+        kernels[dh is not None](xn, dy, dy if dh is None else dh, dx, dx if dres is None else dres,
+                                xn if w is None else w, mean, rstd, dw_part, db_part, N, N, N, N, N, M, N,
+                                0, 0.0, 1.0)  # fmt: skip
+        if not direct and parts:
+            dw, db = summed(buf)
+        return dx, dres, dw, db
+
+    return backward
 
 
 def split_backward(cfg, x, dy, dh, dx, dres, w, w_rows, mean, rstd, dw_part, db_part, drop, flags, key=None):
@@ -790,7 +854,14 @@ def _backward(dy, x, weight, mean, rstd, bias_dtype, is_rms, dh=None, x_dtype=No
     dres = torch.empty((M, N), dtype=residual_dtype, device=x.device) if residual_dtype else None
     has_w, has_db = weight is not None, bias_dtype is not None
     grad_dtypes = (weight.dtype if has_w else None, bias_dtype)
-    part_buf, (dw_part, db_part) = reduce.partials(grad_dtypes, cfg.grid[0] // cfg.split, N, acc, x.device)
+    direct = cfg.fused and cfg.grid[0] == 1  # one program: its partials are the sums, written as such
+    if direct:
+        part_buf, (dweight, dbias) = None, [None if d is None else torch.empty(N, dtype=d, device=x.device)
+                                            for d in grad_dtypes]  # fmt: skip
+        dw_part, db_part = dweight, dbias
+    else:
+        G = cfg.grid[0] // cfg.split  # partial rows
+        part_buf, (dw_part, db_part) = reduce.partials(grad_dtypes, G, N, acc, x.device)
     dw_part = rstd if dw_part is None else dw_part  # a placeholder pointer when unused
     db_part = rstd if db_part is None else db_part
     w = weight if has_w else x
@@ -825,7 +896,8 @@ def _backward(dy, x, weight, mean, rstd, bias_dtype, is_rms, dh=None, x_dtype=No
             x, dy, dh_, dx, dres_, w, mean, rstd, c1, c2, dw_part, db_part, *strides, M, N,
             cfg.rows_per_program, *drop, key=key, BLOCK_N=cfg.block_size, **flags,
         )  # fmt: skip
-    dweight, dbias = reduce.sum_partials(part_buf, grad_dtypes)
+    if not direct:
+        dweight, dbias = reduce.sum_partials(part_buf, grad_dtypes)
     return dx, dres, dweight, dbias
 
 

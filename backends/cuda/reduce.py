@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from normkit.backends.cuda import config
-from normkit.backends.cuda.launch import launch
+from normkit.backends.cuda.launch import Bound, launch
 
 
 @triton.jit
@@ -65,3 +65,22 @@ def sum_partials(buf: torch.Tensor, dtypes) -> list:
     )  # fmt: skip
     it = iter(outs)
     return [None if d is None else next(it) for d in dtypes]
+
+
+def plan_sum(G: int, N: int, dtypes: tuple, device: torch.device):
+    """:func:`sum_partials` for one buffer shape, as a plan (the row norms' training plans):
+    ``run(buf)`` -> (sum of the first slice or None, sum of the last or None) for the two entries
+    of ``dtypes`` (dweight's, dbias's; at least one not None), by a direct launch (launch.Bound)."""
+    first, second = dtypes
+    cfg = config.reduce(G, N, device)
+    bound = Bound(_sum_partials_kernel, (cfg.grid[0], (first is not None) + (second is not None)),
+                  device.index, BLOCK_G=cfg.rows_per_program, BLOCK_N=cfg.block_size,
+                  num_warps=cfg.num_warps)  # fmt: skip
+
+    def run(buf):
+        out0 = None if first is None else torch.empty(N, dtype=first, device=buf.device)
+        out1 = None if second is None else torch.empty(N, dtype=second, device=buf.device)
+        bound(buf, out1 if out0 is None else out0, out0 if out1 is None else out1, G, N)
+        return out0, out1
+
+    return run

@@ -298,25 +298,39 @@ def softmax_fwd(x, log):
     return y
 
 
-def plan_softmax(x, log):
-    """An inference plan for softmax / log_softmax calls along the last dim shaped like this one
-    (contract extension, see layer_norm.plan_row_norm): ``run(input) -> y`` for a contiguous input of
-    x's M * N elements; one launch of the fused kernel, called directly. None for longer rows or off
-    the GPU."""
+def plan_softmax(x, log, grad=False):
+    """A plan for softmax / log_softmax calls along the last dim shaped like this one (contract
+    extension, see layer_norm.plan_row_norm), for contiguous inputs of x's M * N elements: the fused
+    kernels, called directly. Inference: ``run(input) -> y``, one launch. Training (``grad``):
+    ``(forward, backward)``, ``forward(input) -> y`` and ``backward(dy, y) -> dx`` with dy
+    contiguous and 16-byte aligned. None for longer rows or off the GPU."""
     M, N = x.shape
     cfg = config.softmax(M, N, x.dtype, x.device)
     if x.device.type != "cuda" or not cfg.fused:
         return None
+    flags = dict(LOG=log, ACC=config.tl_acc_dtype(x.dtype))
     bound = Bound(_fwd_fused_kernel, cfg.grid, x.device.index, ROWS=cfg.rows_per_program,
-                  BLOCK_N=cfg.block_size, LOG=log, ACC=config.tl_acc_dtype(x.dtype),
-                  num_warps=cfg.num_warps)  # fmt: skip
+                  BLOCK_N=cfg.block_size, num_warps=cfg.num_warps, **flags)  # fmt: skip
 
     def run(x):
         y = torch.empty_like(x)
         bound(x, y, N, N, M, N)
         return y
 
-    return run
+    if not grad:
+        return run
+    bcfg = config.softmax_backward(M, N, x.dtype, x.device)
+    if not bcfg.fused:
+        return None
+    bwd = Bound(_bwd_fused_kernel, bcfg.grid, x.device.index, ROWS=bcfg.rows_per_program,
+                BLOCK_N=bcfg.block_size, num_warps=bcfg.num_warps, **flags)  # fmt: skip
+
+    def backward(dy, y):
+        dx = torch.empty_like(y)
+        bwd(dy, y, dx, N, N, N, M, N)
+        return dx
+
+    return run, backward
 
 
 def softmax_bwd(dy, y, log):

@@ -3,7 +3,8 @@
 Each op flattens its input to a 2-D row view ``(M, N)`` (N = product of ``normalized_shape``),
 picks the backend for the input's device (:mod:`normkit.dispatch`), and runs one device-agnostic
 ``torch.autograd.Function`` that calls that backend's contract. Backward uses the backend chosen in
-forward and recomputes its own launch settings.
+forward and recomputes its own launch settings. A repeated call signature may instead run from a
+plan the backend made for it (``_PLANS`` below): direct launches, no checks or dispatch.
 """
 
 from __future__ import annotations

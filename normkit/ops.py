@@ -9,6 +9,9 @@ that device's guard. ``normkit.functional`` validates arguments and calls these.
 
 Optional outputs (a weight gradient when there is no weight, ...) come back as empty tensors and
 are turned into None here: custom operators return tensors only. Outputs never alias inputs.
+
+Also here: the autograd Functions that run a backend's training plans (``RowNormTraining``,
+``AddNormTraining``, ``SoftmaxTraining``; see ``normkit.functional._PLANS``).
 """
 
 from __future__ import annotations

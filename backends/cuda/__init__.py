@@ -52,6 +52,6 @@ __all__ = [
     "batch_norm_apply",
     "batch_norm_train_fwd",
     "batch_norm_bwd",
-    "plan_row_norm",  # optional inference plans (normkit.functional; docs/backends.md)
+    "plan_row_norm",  # optional plans, inference and training (normkit.functional; docs/backends.md)
     "plan_softmax",
 ]

@@ -216,8 +216,8 @@ def _prepare(op, input, normalized_shape, eps, input_name="input", torch_dtypes=
 # call (a served model's layers) costs 16-30 us of host time on the H100 host instead of 46-60
 # (docs/perf-notes.md v19). A training plan (gradients wanted) is a forward and a backward run by
 # one lean autograd.Function (ops.RowNormTraining, AddNormTraining, SoftmaxTraining) with the same
-# direct launches (perf-notes v20). Keyed by everything the checks
-# and the kernels' specialization depend on, and by whether gradients are wanted.
+# direct launches (perf-notes v20). Keyed by everything the checks and the kernels' specialization
+# depend on, and by whether gradients are wanted.
 _PLANS: dict = {}
 PLANS_SIZE = 4096  # signatures remembered; then cleared
 _NO_PLAN = object()  # a signature the backend has no plan for (asked once)

@@ -223,6 +223,7 @@ PLANS_SIZE = 4096  # signatures remembered; then cleared
 _NO_PLAN = object()  # a signature the backend has no plan for (asked once)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _TRAINING = {"layer_norm": ops.RowNormTraining, "rms_norm": ops.RowNormTraining,
+             "group_norm": ops.RowNormTraining,
              "add_layer_norm": ops.AddNormTraining, "add_rms_norm": ops.AddNormTraining,
              "softmax": ops.SoftmaxTraining, "log_softmax": ops.SoftmaxTraining}  # fmt: skip
 
@@ -441,8 +442,9 @@ def add_rms_norm(x, residual, normalized_shape, weight=None, eps=None, dropout_p
                      seed, residual_dtype, prenorm, is_rms=True)  # fmt: skip
 
 
-def _group_norm(op, input, num_groups, weight, bias, eps):
-    """-> (y, mean (N * G,), rstd (N * G,)) after validation; statistics are not differentiable."""
+def _group_norm(op, input, num_groups, weight, bias, eps, key=None):
+    """-> (y, mean (N * G,), rstd (N * G,)) after validation; statistics are not differentiable.
+    With a plan key (``_plan_key``), a call its plan serves returns (y, None, None)."""
     _check_tensor(op, "input", input, required=True)
     if input.dim() < 2:
         raise InvalidArgument(f"{op}: input must have shape (N, C, *), got {list(input.shape)}")
@@ -457,9 +459,12 @@ def _group_norm(op, input, num_groups, weight, bias, eps):
     for name, value in (("weight", weight), ("bias", bias)):
         _check_param(op, name, value, (C,))
     eps = _check_eps(op, eps)
-    _backend(op, input, weight=weight, bias=bias)  # a served device and a supported dtype, or an error
+    backend = _backend(op, input, weight=weight, bias=bias)  # a served device and dtype, or an error
     _check_param_dtypes("group_norm", input, weight=weight, bias=bias)
     x = input.reshape(input.shape[0], C, -1) if input.numel() else input.reshape(input.shape[0], C, 0)
+    plan = _plan(key, backend, "plan_group_norm", x, weight, bias, int(num_groups), eps)
+    if plan is not None:
+        return plan(input, None, weight, bias), None, None
     y, mean, rstd = ops.group_norm_fwd(x.contiguous(), weight, bias, int(num_groups), eps)
     return y.view(input.shape), mean, rstd
 
@@ -467,6 +472,11 @@ def _group_norm(op, input, num_groups, weight, bias, eps):
 def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
     """Same signature and semantics as :func:`torch.nn.functional.group_norm`: input (N, C, *),
     statistics per (sample, group of C / num_groups channels), per-channel weight and bias."""
+    key = _plan_key("group_norm", input, (weight, bias), num_groups if type(num_groups) is int else None,
+                    eps if type(eps) is float else None)  # fmt: skip
+    plan = _stored_plan(key)
+    if plan is not None:
+        return plan(input, None, weight, bias)
     if (isinstance(input, torch.Tensor) and input.dim() >= 2 and isinstance(num_groups, int)
             and num_groups > 0 and input.shape[1] % num_groups == 0
             and input.shape[0] * (input.shape[1] // num_groups) * math.prod(input.shape[2:]) == 1):
@@ -475,7 +485,7 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
             f"group_norm: expected more than 1 value per channel when training, "
             f"got input shape {list(input.shape)} with num_groups {num_groups}"
         )
-    return _group_norm("group_norm", input, num_groups, weight, bias, eps)[0]
+    return _group_norm("group_norm", input, num_groups, weight, bias, eps, key)[0]
 
 
 def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=None,

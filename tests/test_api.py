@@ -180,14 +180,36 @@ def _planning_backend(calls: list):
 
         return forward, backward
 
+    def plan_group_norm(x, weight, bias, num_groups, eps, grad=False):
+        if not grad:
+            return None
+        bias_dtype = None if bias is None else bias.dtype
+
+        def forward(inp, r, w, b):
+            calls.append("row_norm forward")
+            y, mean, rstd = ref.group_norm_fwd(inp.reshape(x.shape), w, b, num_groups, eps)
+            return y.view(inp.shape), None, mean, rstd
+
+        def backward(dy, dh, inp, w, mean, rstd):
+            calls.append("row_norm backward")
+            dy = dense(dy, inp.dtype).reshape(x.shape)
+            dx, dw, db = ref.group_norm_bwd(dy, inp.reshape(x.shape), w, mean, rstd, num_groups, bias_dtype)
+            return dx.view(inp.shape), None, dw, db
+
+        return forward, backward
+
     module.plan_row_norm, module.plan_softmax = plan_row_norm, plan_softmax
+    module.plan_group_norm = plan_group_norm
     return module
 
 
-def _training_cases(x, r, w, b, ns):
-    """name: (normkit's call, torch's, the inputs to differentiate), for x and r (4-D), w and b."""
+def _training_cases(x, r, w, b, ns, cw, cb):
+    """name: (normkit's call, torch's, the inputs to differentiate), for x and r (4-D), w and b (of
+    shape ns), cw and cb (per channel)."""
     f64, h = torch.float64, x + r.double()
     return {
+        "group_norm": (lambda: normkit.group_norm(x, 2, cw, cb), lambda: F.group_norm(x, 2, cw, cb),
+                       (x, cw, cb)),
         "layer_norm": (lambda: normkit.layer_norm(x, ns, w, b), lambda: F.layer_norm(x, ns, w, b), (x, w, b)),
         "rms_norm": (lambda: normkit.rms_norm(x, list(ns), w, 1e-6), lambda: F.rms_norm(x, ns, w, 1e-6),
                      (x, w)),
@@ -206,7 +228,8 @@ def test_training_plans_run_forward_and_backward(monkeypatch):
     seen: the forward and backward both come from the plan, the gradients match torch in fp64 (with
     an expanded incoming gradient and a multi-dim normalized_shape), parameter gradients take the
     parameters' shape, the add-norms' x and residual gradients their dtypes (with and without h's
-    own gradient), and a no-grad call of the same signature does not use the training plan."""
+    own gradient), and a no-grad call of the same signature does not use the training plan. GroupNorm
+    plans follow the row norms' protocol."""
     from normkit import functional
 
     calls: list = []
@@ -219,7 +242,8 @@ def test_training_plans_run_forward_and_backward(monkeypatch):
             x = torch.randn(3, 4, 5, 6, dtype=torch.float64, requires_grad=True)
             r = torch.randn(3, 4, 5, 6, dtype=torch.float32, requires_grad=True)
             w, b = (torch.nn.Parameter(torch.randn(ns, dtype=torch.float64)) for _ in range(2))
-            for name, (ours, reference, inputs) in _training_cases(x, r, w, b, ns).items():
+            cw, cb = (torch.nn.Parameter(torch.randn(4, dtype=torch.float64)) for _ in range(2))
+            for name, (ours, reference, inputs) in _training_cases(x, r, w, b, ns, cw, cb).items():
                 calls.clear()
                 y, yr = ours(), reference()
                 torch.testing.assert_close(y, yr, msg=name)

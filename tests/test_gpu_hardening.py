@@ -861,3 +861,51 @@ def test_training_plans_match_reference(run_on, dtype):
                         assert torch.equal(g, g2), f"{label} differs between two runs"
     trained = [p for p in functional._PLANS.values() if type(p).__name__.endswith("Training")]
     assert {type(p).__name__ for p in trained} == {"RowNormTraining", "AddNormTraining", "SoftmaxTraining"}
+
+
+GN_PLAN_SHAPES = [((2, 8, 5, 7), 4), ((3, 32, 16, 16), 8), ((1, 4, 3), 2), ((4, 6, 1, 1), 3)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64], ids=str)
+def test_group_norm_plans_match_reference(run_on, dtype):
+    """GroupNorm calls run from plans once their signature has been seen (plan_group_norm): two
+    rounds of fresh data per signature, aligned and misaligned inputs, with and without weight /
+    bias, fp32 parameters with 16-bit inputs; the no-grad output, the output with gradients and
+    every gradient (dtype, shape, value) match fp64 torch, and a second backward is bitwise equal."""
+    from normkit import functional
+
+    gpu = _on_gpu(run_on, "cuda", dtype)  # skips here without a GPU
+    pdtypes = [dtype, torch.float32] if dtype.itemsize == 2 else [dtype]
+    with gpu:
+        cases = itertools.product(GN_PLAN_SHAPES, range(2), (0, 1), pdtypes, (True, False))
+        for (shape, G), rnd, offset, pd, affine in cases:
+            numel, C = math.prod(shape), shape[1]
+            x = _randn(numel + 8, dtype, seed=rnd)[offset:offset + numel].view(shape).requires_grad_()
+            w = torch.nn.Parameter(_randn(C, pd, seed=10 + rnd) + 1) if affine else None
+            b = torch.nn.Parameter(_randn(C, pd, seed=20 + rnd)) if affine else None
+            inputs = (x, w, b) if affine else (x,)
+            inputs64 = tuple(t.detach().double().requires_grad_() for t in inputs)
+            x64, w64, b64 = (*inputs64, None, None)[:3]
+            what = f"group_norm {list(shape)} G {G} offset {offset} round {rnd} params {pd} {affine}"
+            y64 = F.group_norm(x64, G, w64, b64)
+            with torch.no_grad():
+                y = normkit.group_norm(x, G, w, b)
+            assert not y.requires_grad, what
+            assert_close(y, y64, dtype, "fwd", f"{what}, no grad")
+            y = normkit.group_norm(x, G, w, b)
+            assert y.requires_grad, what
+            assert_close(y, y64, dtype, "fwd", what)
+            dy = _randn(shape, dtype, seed=40 + rnd)
+            grads = torch.autograd.grad(y, inputs, dy, retain_graph=True)
+            again = torch.autograd.grad(y, inputs, dy, retain_graph=True)
+            expected = torch.autograd.grad(y64, inputs64, dy.double())
+            for i, (g, g2, e, t) in enumerate(zip(grads, again, expected, inputs)):
+                label = f"{what}: gradient of input {i}"
+                assert g.dtype == t.dtype and g.shape == t.shape, label
+                rows = shape[0] * math.prod(shape[2:])  # summed into each parameter gradient
+                assert_close(g, e, dtype, "param" if i else "bwd", label, rows=rows)
+                assert torch.equal(g, g2), f"{label} differs between two runs"
+    served = {key[-1] for key, p in functional._PLANS.items()
+              if key[0] == "group_norm" and p is not functional._NO_PLAN}  # fmt: skip
+    assert served == {False, True}, "GroupNorm calls were not served by inference and training plans"

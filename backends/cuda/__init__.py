@@ -12,7 +12,7 @@ from normkit.backends.cuda.batch_norm import (
     batch_norm_stats,
     batch_norm_train_fwd,
 )
-from normkit.backends.cuda.group_norm import group_norm_bwd, group_norm_fwd
+from normkit.backends.cuda.group_norm import group_norm_bwd, group_norm_fwd, plan_group_norm
 from normkit.backends.cuda.layer_norm import (
     add_layer_norm_bwd,
     add_layer_norm_fwd,
@@ -54,4 +54,5 @@ __all__ = [
     "batch_norm_bwd",
     "plan_row_norm",  # optional plans, inference and training (normkit.functional; docs/backends.md)
     "plan_softmax",
+    "plan_group_norm",
 ]

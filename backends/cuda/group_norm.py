@@ -19,7 +19,7 @@ import triton.language as tl
 
 from normkit.backends.common import exact_eps, group_norm_row_fwd, reciprocal
 from normkit.backends.cuda import config, layer_norm, reduce
-from normkit.backends.cuda.launch import launch
+from normkit.backends.cuda.launch import Bound, launch
 
 
 @triton.jit
@@ -42,6 +42,7 @@ def _fwd_fused_kernel(
     HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
     ACC: tl.constexpr,
+    STATS: tl.constexpr = True,  # write Mean / Rstd (False: an inference plan, nothing saved)
 ):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     ch = tl.arange(0, CB)
@@ -58,8 +59,9 @@ def _fwd_fused_kernel(
     mean = tl.sum(tl.sum(x, axis=2), axis=1) * inv_l
     d = tl.where(mask, x - mean[:, None, None], 0.0)
     rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(d * d, axis=2), axis=1) * inv_l + exact_eps(eps, eps_lo, ACC))
-    tl.store(Mean + r, shift + mean, mask=row_mask)
-    tl.store(Rstd + r, rstd, mask=row_mask)
+    if STATS:
+        tl.store(Mean + r, shift + mean, mask=row_mask)
+        tl.store(Rstd + r, rstd, mask=row_mask)
     c = (r % G)[:, None] * Cg + ch[None, :]  # [ROWS, CB]: per-channel scale and shift
     scale = tl.zeros([ROWS, CB], ACC) + rstd[:, None]
     if HAS_W:
@@ -192,6 +194,77 @@ def group_norm_fwd(x, weight, bias, num_groups, eps):
         launch(_fwd_looped_kernel, cfg.grid, x, y, w, b, mean, rstd, num_groups, L, HW, C // num_groups, eps,
                eps_lo, BLOCK=cfg.hw_block, **flags)  # fmt: skip
     return y, mean, rstd
+
+
+def plan_group_norm(x, weight, bias, num_groups, eps, grad=False):
+    """A plan for GroupNorm calls shaped like this one (contract extension, see
+    layer_norm.plan_row_norm, whose call protocol it follows), for contiguous inputs of x's (N, C,
+    HW) elements with the parameters of the same presence, dtypes and alignment; the compiled kernels
+    are called directly (launch.Bound). None unless the fused forward serves (and, for ``grad``, the
+    one-program-per-row backward), or off the GPU.
+
+    Inference: ``run(input, None, weight, bias)`` -> y, one launch, no statistics written.
+    Training (``grad``): ``(forward, backward)``: ``forward(input, None, weight, bias)`` -> (y, None,
+    mean, rstd); ``backward(dy, None, input, weight, mean, rstd)`` -> (dx, None, dweight, dbias),
+    dy contiguous and 16-byte aligned, None where there is no weight / bias."""
+    N, C, HW = x.shape
+    rows, Cg = N * num_groups, C // num_groups
+    cfg = config.group_norm(rows, Cg, HW, x.dtype)
+    if x.device.type != "cuda" or not cfg.fused:
+        return None
+    backward = None
+    if grad:
+        if config.group_norm_split_backward(rows, Cg * HW, num_groups, x.dtype, x.device) is not None:
+            return None
+        backward = _plan_backward(x, weight, bias, num_groups)
+    acc = config.acc_dtype(x.dtype)
+    bound = Bound(_fwd_fused_kernel, cfg.grid, x.device.index, ROWS=cfg.rows, CB=cfg.row_block,
+                  HWB=cfg.hw_block, HAS_W=weight is not None, HAS_B=bias is not None,
+                  ACC=config.tl_acc_dtype(x.dtype), num_warps=cfg.num_warps, STATS=grad)  # fmt: skip
+    eps_lo = config.eps_tail(eps, x.device)
+
+    def forward(x, r, w, b):
+        y = torch.empty_like(x)
+        mean = torch.empty(rows, dtype=acc, device=x.device)
+        rstd = torch.empty_like(mean)
+        bound(x, y, x if w is None else w, x if b is None else b, mean, rstd, rows, num_groups, HW, Cg, eps,
+              eps_lo)  # fmt: skip
+        return y, None, mean, rstd
+
+    def run(x, r, w, b):
+        y = torch.empty_like(x)
+        bound(x, y, x if w is None else w, x if b is None else b, y, y, rows, num_groups, HW, Cg, eps, eps_lo)
+        return y
+
+    return (forward, backward) if grad else run
+
+
+def _plan_backward(x, weight, bias, G):
+    """The training plan's backward (see :func:`plan_group_norm`): the one-program-per-row kernel,
+    then the per-sample partials summed by one launch (``reduce.plan_sum``)."""
+    N, C, HW = x.shape
+    Cg = C // G
+    cfg = config.group_norm_backward(N * G, Cg, HW, x.dtype)
+    has_w, has_db = weight is not None, bias is not None
+    dtypes = (weight.dtype if has_w else None, bias.dtype if has_db else None)
+    parts = has_w + has_db
+    bound = Bound(_bwd_kernel, cfg.grid, x.device.index, CB=cfg.row_block, HWB=cfg.hw_block, HAS_W=has_w,
+                  HAS_DB=has_db, ACC=config.tl_acc_dtype(x.dtype), num_warps=cfg.num_warps)  # fmt: skip
+    summed = reduce.plan_sum(N, C, dtypes, x.device) if parts else None
+    acc = config.acc_dtype(x.dtype)
+
+    def backward(dy, dh, x, w, mean, rstd):
+        dx = torch.empty_like(x)
+        if not parts:
+            bound(x, dy, dx, x, mean, rstd, mean, mean, G, C, HW, Cg)
+            return dx, None, None, None
+        buf = torch.empty((parts, N, C), dtype=acc, device=x.device)
+        bound(x, dy, dx, x if w is None else w, mean, rstd, buf[0] if has_w else mean,
+              buf[parts - 1] if has_db else mean, G, C, HW, Cg)  # fmt: skip
+        dw, db = summed(buf)
+        return dx, None, dw, db
+
+    return backward
 
 
 def group_norm_bwd(dy, x, weight, mean, rstd, num_groups, bias_dtype):

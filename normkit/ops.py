@@ -506,8 +506,9 @@ def _params_shape(weight: Optional[Tensor], bias: Optional[Tensor]):
 
 
 class _PlannedRowNorm(torch.autograd.Function):
-    """LayerNorm / RMSNorm from a training plan (``plan_row_norm(..., grad=True)``): the plan's
-    forward (statistics written) and backward, with no operator, dispatch or argument handling."""
+    """LayerNorm / RMSNorm (``plan_row_norm(..., grad=True)``) or GroupNorm (``plan_group_norm``, the
+    same protocol) from a training plan: the plan's forward (statistics written) and backward, with
+    no operator, dispatch or argument handling."""
 
     @staticmethod
     def forward(ctx, plan, x, weight, bias):
@@ -562,8 +563,9 @@ class _PlannedSoftmax(torch.autograd.Function):
 
 
 class RowNormTraining:
-    """A backend's training plan for a LayerNorm / RMSNorm signature (``plan_row_norm(..., grad=True)``
-    -> (forward, backward)), called as its inference plan is: ``plan(input, None, weight, bias)``."""
+    """A backend's training plan for a LayerNorm / RMSNorm / GroupNorm signature (``plan_row_norm`` /
+    ``plan_group_norm(..., grad=True)`` -> (forward, backward)), called as its inference plan is:
+    ``plan(input, None, weight, bias)``."""
 
     __slots__ = ("forward", "backward")
 

@@ -10,8 +10,10 @@ reported as ``wrong`` (not timed, and the command exits 1 after the sweep), an e
 with ``retain_graph=True``. On CUDA the timer is ``triton.testing.do_bench`` (median; it flushes L2
 between runs); on other devices :func:`event_bench` does the same with the device module's events
 (``torch.get_device_module(device)``), and the fp64 reference is computed on the CPU from copies of
-the device inputs (NPU fp64 support is partial). ``torch._dynamo.reset()`` runs before each case, so
-torch.compile compiles every shape afresh instead of falling back to eager after its recompile limit.
+the device inputs (NPU fp64 support is partial). Python's garbage collector is paused while each
+measurement runs, as ``timeit`` does (``--gc-running`` leaves it on; docs/perf-notes.md v21).
+``torch._dynamo.reset()`` runs before each case, so torch.compile compiles every shape afresh instead
+of falling back to eager after its recompile limit.
 Row tensors hold 2^27 elements (M = 2^27 // N), well past L2; the ``few`` suite is small on purpose
 (inference): its forward is timed under ``torch.no_grad()`` for every implementation, as a model
 serving requests runs it (no autograd graph recorded); its backward as everywhere else.
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import gc
 import importlib
 import json
 import math
@@ -514,11 +517,32 @@ def event_timer(device, warmup_ms=25, rep_ms=100, module=None, flush=None):
     return lambda fn: event_bench(fn, module, flush, warmup_ms, rep_ms)
 
 
-def make_timer(device, warmup_ms=25, rep_ms=100):
-    """do_bench on CUDA (unchanged); device events with an L2 flush (:func:`event_timer`) elsewhere."""
+def gc_paused(timer):
+    """``timer`` with Python's garbage collector paused while it runs, as ``timeit`` does: a
+    collection that falls in a timed run is host time of every object the process holds (torch.compile
+    leaves millions), charged to whichever call crossed the collector's threshold, not the op's."""
+
+    def timed(fn):
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return timer(fn)
+        finally:
+            if was_enabled:
+                gc.enable()
+
+    return timed
+
+
+def make_timer(device, warmup_ms=25, rep_ms=100, pause_gc=True):
+    """do_bench on CUDA (unchanged); device events with an L2 flush (:func:`event_timer`) elsewhere;
+    with the garbage collector paused during each measurement (:func:`gc_paused`) unless ``pause_gc``
+    is False."""
     if torch.device(device).type == "cuda":
-        return do_bench_timer(warmup_ms, rep_ms)
-    return event_timer(device, warmup_ms, rep_ms)
+        timer = do_bench_timer(warmup_ms, rep_ms)
+    else:
+        timer = event_timer(device, warmup_ms, rep_ms)
+    return gc_paused(timer) if pause_gc else timer
 
 
 def _error(exc) -> str:
@@ -1032,6 +1056,7 @@ def _bench_command(args) -> int:
     copy = copy_gbps(device)
     summary = dict(suites=args.suite or list(SUITES), dtypes=sorted({c.dtype for c in cases}), impls=impls,
                    skipped=skipped, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
+                   gc="running" if args.gc_running else "paused",
                    shard="/".join(map(str, args.shard)) if args.shard else None)  # fmt: skip
     part = metadata(device, copy, summary)
     parts.append(part)
@@ -1046,7 +1071,7 @@ def _bench_command(args) -> int:
             Path(args.out).mkdir(parents=True, exist_ok=True)
             write_json(Path(args.out) / RESULTS, parts, old_rows + new_rows)
 
-    timer = make_timer(device, args.warmup_ms, args.rep_ms)
+    timer = make_timer(device, args.warmup_ms, args.rep_ms, pause_gc=not args.gc_running)
     _, part["sections"] = run(cases, impls, device, timer, copy, done, save)
     part["elapsed_s"] = time.perf_counter() - start
     rows = old_rows + new_rows

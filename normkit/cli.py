@@ -230,6 +230,9 @@ def add_bench_parser(sub):
                    help="time spent timing each measurement (do_bench on cuda, events on npu; default: 100)")
     p.add_argument("--warmup-ms", type=float, default=25, metavar="MS",
                    help="warm-up time before each measurement (default: 25)")
+    p.add_argument("--gc-running", action="store_true",
+                   help="leave Python's garbage collector running in the timed runs (default: paused during "
+                        "each measurement, as timeit does)")
     p.set_defaults(fn=cmd_bench)
     return p
 

@@ -4,6 +4,7 @@ device, the torch_npu wrappers (a fake torch_npu module) and the event timer (a 
 
 import argparse
 import csv
+import gc
 import json
 import math
 import statistics
@@ -679,7 +680,7 @@ def test_quick_bench_on_gpu(tmp_path):
     assert cli.main(["bench", "--quick", "--suite", "sweep", "--ops", "rms_norm", "--out", str(out)]) == 0
     assert {"results.json", "results.csv", "table.txt"} <= {p.name for p in out.iterdir()}
     parts, rows = bench.read_json(out)
-    assert parts[0]["copy_gbps"] > 0 and parts[0]["sm_count"] > 0
+    assert parts[0]["copy_gbps"] > 0 and parts[0]["sm_count"] > 0 and parts[0]["gc"] == "paused"
     assert {r["impl"] for r in rows} >= {"normkit", "torch", "torch.compile"}
     assert all(r["fwd_status"] == r["bwd_status"] == "ok" for r in rows if r["impl"] in bench.IMPLS[:3])
 
@@ -718,3 +719,30 @@ def test_help_lists_the_image_shapes():
     shown = cli.BENCH_EPILOG.split("image ")[1].split("dim0")[0]
     for shape in bench.IMAGE_SHAPES:
         assert "x".join(map(str, shape)) in shown
+
+
+@pytest.mark.parametrize("pause", [True, False])
+def test_make_timer_pauses_the_garbage_collector_unless_asked(monkeypatch, pause):
+    seen = []
+    recording = lambda fn: (seen.append(gc.isenabled()), fn())[1]  # noqa: E731
+    monkeypatch.setattr(bench, "event_timer", lambda *a, **k: recording)
+    timer = bench.make_timer("cpu", 25, 100, pause_gc=pause)
+    assert gc.isenabled()
+    assert timer(lambda: 3.5) == 3.5
+    assert seen == [not pause] and gc.isenabled()  # paused inside (by default), enabled again after
+    assert parse().gc_running is False and parse("--gc-running").gc_running is True
+
+
+def test_gc_paused_restores_the_collector_after_an_error():
+    def failing(fn):
+        raise RuntimeError("timer failed")
+
+    with pytest.raises(RuntimeError, match="timer failed"):
+        bench.gc_paused(failing)(lambda: None)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        assert bench.gc_paused(lambda fn: gc.isenabled())(None) is False
+        assert not gc.isenabled()  # a collector paused by the caller stays paused
+    finally:
+        gc.enable()

@@ -255,13 +255,11 @@ def _plan_backward(x, weight, bias, G):
 
     def backward(dy, dh, x, w, mean, rstd):
         dx = torch.empty_like(x)
-        if not parts:
-            bound(x, dy, dx, x, mean, rstd, mean, mean, G, C, HW, Cg)
-            return dx, None, None, None
-        buf = torch.empty((parts, N, C), dtype=acc, device=x.device)
-        bound(x, dy, dx, x if w is None else w, mean, rstd, buf[0] if has_w else mean,
-              buf[parts - 1] if has_db else mean, G, C, HW, Cg)  # fmt: skip
-        dw, db = summed(buf)
+        buf, (dw, db) = reduce.targets(dtypes, N, C, acc, x.device)
+        bound(x, dy, dx, x if w is None else w, mean, rstd, mean if dw is None else dw,
+              mean if db is None else db, G, C, HW, Cg)  # fmt: skip
+        if buf is not None:
+            dw, db = summed(buf)
         return dx, None, dw, db
 
     return backward
@@ -279,14 +277,14 @@ def group_norm_bwd(dy, x, weight, mean, rstd, num_groups, bias_dtype):
     acc = config.acc_dtype(x.dtype)
     has_w, has_db = weight is not None, bias_dtype is not None
     grad_dtypes = (weight.dtype if has_w else None, bias_dtype)
-    part_buf, (dw_part, db_part) = reduce.partials(grad_dtypes, N, C, acc, x.device)
-    dw_part = mean if dw_part is None else dw_part  # a placeholder pointer when unused
-    db_part = mean if db_part is None else db_part
+    part_buf, (dw_part, db_part) = reduce.targets(grad_dtypes, N, C, acc, x.device)
     launch(_bwd_kernel, cfg.grid,
-        x, dy, dx, weight if has_w else x, mean, rstd, dw_part, db_part, num_groups, C, HW, Cg,
-        CB=cfg.row_block, HWB=cfg.hw_block, HAS_W=has_w, HAS_DB=has_db,
-        ACC=config.tl_acc_dtype(x.dtype), num_warps=cfg.num_warps,
+        x, dy, dx, weight if has_w else x, mean, rstd, mean if dw_part is None else dw_part,
+        mean if db_part is None else db_part, num_groups, C, HW, Cg, CB=cfg.row_block, HWB=cfg.hw_block,
+        HAS_W=has_w, HAS_DB=has_db, ACC=config.tl_acc_dtype(x.dtype), num_warps=cfg.num_warps,
     )  # fmt: skip
+    if part_buf is None:
+        return dx, None, None
     dweight, dbias = reduce.sum_partials(part_buf, grad_dtypes)
     return dx, dweight, dbias
 

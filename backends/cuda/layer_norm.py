@@ -804,18 +804,11 @@ def _plan_backward(M, N, dtype, device, weight, bias, is_rms, x_dtype, residual_
             dy = torch.zeros_like(xn, dtype=x_dtype)
         dx = torch.empty_like(xn, dtype=x_dtype)
         dres = torch.empty_like(xn, dtype=residual_dtype) if has_dres else None
-        if direct or not parts:
-            dw = torch.empty(N, dtype=dw_dtype, device=xn.device) if has_w else None
-            db = torch.empty(N, dtype=db_dtype, device=xn.device) if has_db else None
-            dw_part, db_part = (rstd if dw is None else dw), (rstd if db is None else db)
-        else:
-            buf = torch.empty((parts, G, N), dtype=acc, device=xn.device)
-            dw_part = buf[0] if has_w else rstd
-            db_part = buf[parts - 1] if has_db else rstd
+        buf, (dw, db) = reduce.targets((dw_dtype, db_dtype), G, N, acc, xn.device, direct)
         kernels[dh is not None](xn, dy, dy if dh is None else dh, dx, dx if dres is None else dres,
-                                xn if w is None else w, mean, rstd, dw_part, db_part, N, N, N, N, N, M, N,
-                                0, 0.0, 1.0)  # fmt: skip
-        if not direct and parts:
+                                xn if w is None else w, mean, rstd, rstd if dw is None else dw,
+                                rstd if db is None else db, N, N, N, N, N, M, N, 0, 0.0, 1.0)  # fmt: skip
+        if buf is not None:
             dw, db = summed(buf)
         return dx, dres, dw, db
 
@@ -855,15 +848,10 @@ def _backward(dy, x, weight, mean, rstd, bias_dtype, is_rms, dh=None, x_dtype=No
     has_w, has_db = weight is not None, bias_dtype is not None
     grad_dtypes = (weight.dtype if has_w else None, bias_dtype)
     direct = cfg.fused and cfg.grid[0] == 1  # one program: its partials are the sums, written as such
-    if direct:
-        part_buf, (dweight, dbias) = None, [None if d is None else torch.empty(N, dtype=d, device=x.device)
-                                            for d in grad_dtypes]  # fmt: skip
-        dw_part, db_part = dweight, dbias
-    else:
-        G = cfg.grid[0] // cfg.split  # partial rows
-        part_buf, (dw_part, db_part) = reduce.partials(grad_dtypes, G, N, acc, x.device)
-    dw_part = rstd if dw_part is None else dw_part  # a placeholder pointer when unused
-    db_part = rstd if db_part is None else db_part
+    G = cfg.grid[0] // cfg.split  # partial rows
+    part_buf, (dweight, dbias) = reduce.targets(grad_dtypes, G, N, acc, x.device, direct)
+    dw_part = rstd if dweight is None else dweight  # a placeholder pointer when unused
+    db_part = rstd if dbias is None else dbias
     w = weight if has_w else x
     dh_ = dh if dh is not None else dy
     dres_ = dres if dres is not None else dx
@@ -896,7 +884,7 @@ def _backward(dy, x, weight, mean, rstd, bias_dtype, is_rms, dh=None, x_dtype=No
             x, dy, dh_, dx, dres_, w, mean, rstd, c1, c2, dw_part, db_part, *strides, M, N,
             cfg.rows_per_program, *drop, key=key, BLOCK_N=cfg.block_size, **flags,
         )  # fmt: skip
-    if not direct:
+    if part_buf is not None:
         dweight, dbias = reduce.sum_partials(part_buf, grad_dtypes)
     return dx, dres, dweight, dbias
 

@@ -50,6 +50,16 @@ def partials(dtypes, G: int, N: int, acc: torch.dtype, device) -> tuple[torch.Te
     return buf, [None if d is None else next(slices) for d in dtypes]
 
 
+def targets(dtypes, G: int, N: int, acc: torch.dtype, device, direct: bool = False):
+    """Where a backward writes dweight / dbias: ``(buffer, [dweight's, dbias's])``, in ``dtypes``'
+    order (None entries stay None). With ``direct`` (a grid of one program, whose partial row is the
+    sum) or no gradient wanted: no buffer, and the (N,) gradients themselves in ``dtypes``. Else
+    :func:`partials`' buffer and views, to be summed by :func:`sum_partials` or a :func:`plan_sum`."""
+    if direct or all(d is None for d in dtypes):
+        return None, [None if d is None else torch.empty(N, dtype=d, device=device) for d in dtypes]
+    return partials(dtypes, G, N, acc, device)
+
+
 def sum_partials(buf: torch.Tensor, dtypes) -> list:
     """Column sums of ``buf``'s (G, N) slices (from :func:`partials`), each in its entry of
     ``dtypes`` (None entries stay None), in a fixed order (bitwise reproducible), by one launch."""

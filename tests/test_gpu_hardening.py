@@ -748,7 +748,33 @@ def test_launch_key_checks_catch_a_key_that_misses_an_argument(run_on, monkeypat
 
 # --- inference plans (normkit.functional._PLANS) ---------------------------------------------------
 
-PLAN_SHAPES = [((1, 4096), 1), ((3, 1000), 1), ((128, 8192), 1), ((2, 5, 64), 2), ((7, 1), 1)]
+# the last two: split rows in the backward (12000), in both directions (40000) for 16-bit and fp32
+PLAN_SHAPES = [((1, 4096), 1), ((3, 1000), 1), ((128, 8192), 1), ((2, 5, 64), 2), ((7, 1), 1),
+               ((4, 12000), 1), ((3, 40000), 1)]  # fmt: skip
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_split_rows_have_plans(run_on, dtype):
+    """The split-row kernels serve plans (inference and training) for the long rows of PLAN_SHAPES,
+    so the plan tests below exercise them."""
+    from normkit.backends.cuda import config, layer_norm, softmax
+
+    gpu = _on_gpu(run_on, "cuda", dtype)  # skips here without a GPU
+    with gpu:
+        x, w = _randn((3, 40000), dtype), _randn(40000, dtype)
+        assert config.forward(3, 40000, dtype, x.device).split > 1
+        assert config.backward(3, 40000, dtype, x.device, False).split > 1
+        assert config.softmax(3, 40000, dtype, x.device).split > 1
+        for grad in (False, True):
+            assert layer_norm.plan_row_norm(x, w, w, 1e-5, False, grad=grad) is not None
+            add_rms = layer_norm.plan_row_norm(x, w, None, 1e-5, True, True, x, torch.float32, grad=grad)
+            assert add_rms is not None
+            assert softmax.plan_softmax(x, False, grad=grad) is not None
+        x12 = _randn((4, 12000), dtype)
+        assert config.forward(4, 12000, dtype, x.device).fused
+        assert config.backward(4, 12000, dtype, x.device, False).split > 1
+        assert layer_norm.plan_row_norm(x12, w[:12000], w[:12000], 1e-5, False, grad=True) is not None
 
 
 @pytest.mark.cuda

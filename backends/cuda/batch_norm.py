@@ -472,7 +472,7 @@ def batch_norm_train_fwd(x, weight, bias, eps, momentum, running_mean, running_v
         return _train_fwd_two_pass(x, weight, bias, eps, momentum, running_mean, running_var, in_place)
     acc = config.acc_dtype(x.dtype)
     kp = coop.chunks_pow2(cfg.split)
-    part, count = coop.workspace(C, 2, kp, acc, x.device)
+    part, count = coop.workspace(C, 2, cfg.split, acc, x.device)
     y = torch.empty_like(x)
     mean = torch.empty(C, dtype=acc, device=x.device)
     rstd = torch.empty_like(mean)
@@ -515,7 +515,7 @@ def batch_norm_bwd(dy, x, weight, mean, rstd, training, bias_dtype):
     cfg = config.batch_norm_split(N, C, HW, x.dtype, x.device, True)
     if cfg is not None:
         kp = coop.chunks_pow2(cfg.split)
-        part, count = coop.workspace(C, 2, kp, config.acc_dtype(x.dtype), x.device)
+        part, count = coop.workspace(C, 2, cfg.split, config.acc_dtype(x.dtype), x.device)
         dx = torch.empty_like(x)
         dweight = torch.empty(C, dtype=weight.dtype, device=x.device) if weight is not None else None
         dbias = torch.empty(C, dtype=bias_dtype, device=x.device) if bias_dtype is not None else None

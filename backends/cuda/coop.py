@@ -48,12 +48,19 @@ def load_chunk(PTR, row, stride, cols, mask, M, other):
     return tl.load(PTR + tl.cast(row, tl.int64) * stride + cols, mask=mask & (row < M), other=other)
 
 
-def workspace(M: int, parts: int, chunks_pow2: int, acc: torch.dtype, device):
-    """(partials (M, parts, chunks_pow2) in ``acc``, zeroed int32 counters (M,)) for one launch."""
-    part = torch.empty((M, parts, chunks_pow2), dtype=acc, device=device)
+def workspace(M: int, parts: int, chunks: int, acc: torch.dtype, device):
+    """(partials (M, parts, KP) in ``acc``, zeroed int32 counters (M,)) for one launch of rows cut
+    into ``chunks`` (KP = :func:`chunks_pow2` of it)."""
+    part = torch.empty((M, parts, chunks_pow2(chunks)), dtype=acc, device=device)
     count = torch.zeros(M, dtype=torch.int32, device=device)
     return part, count
 
 
 def chunks_pow2(chunks: int) -> int:
     return triton.next_power_of_2(chunks)
+
+
+def split_meta(cfg) -> dict:
+    """The launch keywords every split-row kernel takes from its ``config.split_row`` config: the
+    chunk, KP (:func:`chunks_pow2` of the chunks), whether it prefetches, its register cap."""
+    return dict(CHUNK=cfg.block_size, KP=chunks_pow2(cfg.split), PREFETCH=cfg.prefetch, maxnreg=cfg.maxnreg)

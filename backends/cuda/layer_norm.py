@@ -719,10 +719,9 @@ def _forward(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtype=Non
         launch(_fwd_fused_kernel, cfg.grid, *args, M, N, eps, tail, *drop, key=key, ROWS=cfg.rows_per_program,
                                     BLOCK_N=cfg.block_size, **flags)  # fmt: skip
     elif cfg.split > 1:
-        kp = coop.chunks_pow2(cfg.split)
-        part, count = coop.workspace(M, 2, kp, rstd.dtype, x.device)
+        part, count = coop.workspace(M, 2, cfg.split, rstd.dtype, x.device)
         launch(_fwd_split_kernel, cfg.grid, *args, part, count, M, N, cfg.split, eps, tail, *drop, key=key,
-               CHUNK=cfg.block_size, KP=kp, PREFETCH=cfg.prefetch, maxnreg=cfg.maxnreg, **flags)  # fmt: skip
+               **coop.split_meta(cfg), **flags)  # fmt: skip
     else:
         launch(_fwd_looped_kernel, cfg.grid, *args, N, eps, tail, *drop, key=key, BLOCK_N=cfg.block_size,
                **flags)  # fmt: skip
@@ -733,48 +732,62 @@ def plan_row_norm(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtyp
     """A plan for LayerNorm / RMSNorm calls (and the add-norms without dropout, ``add``) shaped like
     this one (contract extension, used by normkit.functional), for contiguous inputs of x's M * N
     elements with the other tensors of the same presence, dtypes and alignment; the compiled kernels
-    are called directly (launch.Bound). None where a row takes more than one program (only the
-    fused kernels have plans) or off the GPU.
+    (fused, or split rows with a fresh workspace each call) are called directly (launch.Bound). None
+    where a direction takes the looped kernels, or off the GPU.
 
     Inference (``grad`` False): ``run(input, residual, weight, bias)`` -> y, or (y, h) for the
-    add-norms: one launch with no statistics written and nothing allocated but the outputs.
-    Training (``grad``): ``(forward, backward)``. ``forward(input, residual, weight, bias)`` -> (y,
-    h, mean, rstd), h None but for the add-norms, mean = rstd for RMSNorm. ``backward(dy, dh, xn,
-    weight, mean, rstd)`` -> (dx, dresidual, dweight, dbias), None where there is no such input;
-    ``xn`` is the normalized tensor (input, or h), dy in the input's dtype (None: zeros, add-norms
-    only), dh h's gradient or None; both contiguous and 16-byte aligned. The parameter gradients
-    have shape (N,)."""
+    add-norms: one launch with nothing allocated but the outputs (and, for split rows, the
+    statistics and the workspace). Training (``grad``): ``(forward, backward)``. ``forward(input,
+    residual, weight, bias)`` -> (y, h, mean, rstd), h None but for the add-norms, mean = rstd for
+    RMSNorm. ``backward(dy, dh, xn, weight, mean, rstd)`` -> (dx, dresidual, dweight, dbias), None
+    where there is no such input; ``xn`` is the normalized tensor (input, or h), dy in the input's
+    dtype (None: zeros, add-norms only), dh h's gradient or None; both contiguous and 16-byte
+    aligned. The parameter gradients have shape (N,)."""
     M, N = x.shape
     kind = "add_norm" if add else "rms_norm" if is_rms else "layer_norm"
     cfg = config.forward(M, N, x.dtype, x.device, kind)
-    if x.device.type != "cuda" or not cfg.fused:
+    if x.device.type != "cuda" or not (cfg.fused or cfg.split > 1):
         return None
     if grad:
         backward = _plan_backward(M, N, h_dtype if add else x.dtype, x.device, weight, bias, is_rms,
                                   x.dtype, None if residual is None else residual.dtype)  # fmt: skip
         if backward is None:
             return None
-    bound = Bound(_fwd_fused_kernel, cfg.grid, x.device.index, ROWS=cfg.rows_per_program,
-                  BLOCK_N=cfg.block_size, IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=bias is not None,
-                  ADD=add, HAS_R=residual is not None, DROPOUT=False, ACC=config.tl_acc_dtype(x.dtype),
-                  num_warps=cfg.num_warps, STATS=grad)  # fmt: skip
+    flags = dict(IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=bias is not None, ADD=add,
+                 HAS_R=residual is not None, DROPOUT=False, ACC=config.tl_acc_dtype(x.dtype),
+                 num_warps=cfg.num_warps)  # fmt: skip
+    if cfg.fused:
+        bound = Bound(_fwd_fused_kernel, cfg.grid, x.device.index, ROWS=cfg.rows_per_program,
+                      BLOCK_N=cfg.block_size, STATS=grad, **flags)  # fmt: skip
+    else:
+        bound = Bound(_fwd_split_kernel, cfg.grid, x.device.index, **coop.split_meta(cfg), **flags)
     tail = config.eps_tail(eps, x.device)
     stat = config.acc_dtype(x.dtype)
+
+    def rows(x, r, h, y, w, b, mean, rstd):
+        head = (x, x if r is None else r, h, y, x if w is None else w, x if b is None else b, mean, rstd,
+                N, N, N, N)  # fmt: skip
+        if cfg.fused:
+            bound(*head, M, N, eps, tail, 0, 0.0, 1.0)
+        else:
+            bound(*head, *coop.workspace(M, 2, cfg.split, stat, x.device), M, N, cfg.split, eps, tail, 0, 0.0,
+                  1.0)  # fmt: skip
 
     def forward(x, r, w, b):
         y = torch.empty_like(x)
         h = torch.empty_like(x, dtype=h_dtype) if add else None
         rstd = torch.empty(M, dtype=stat, device=x.device)
         mean = rstd if is_rms else torch.empty_like(rstd)
-        bound(x, x if r is None else r, y if h is None else h, y, x if w is None else w,
-              x if b is None else b, mean, rstd, N, N, N, N, M, N, eps, tail, 0, 0.0, 1.0)  # fmt: skip
+        rows(x, r, y if h is None else h, y, w, b, mean, rstd)
         return y, h, mean, rstd
 
     def run(x, r, w, b):
+        if not cfg.fused:  # the split kernels write the statistics (the fused one compiles them out)
+            y, h, _, _ = forward(x, r, w, b)
+            return (y, h) if add else y
         y = torch.empty_like(x)
         h = torch.empty_like(x, dtype=h_dtype) if add else y
-        bound(x, x if r is None else r, h, y, x if w is None else w, x if b is None else b, y, y,
-              N, N, N, N, M, N, eps, tail, 0, 0.0, 1.0)  # fmt: skip
+        rows(x, r, h, y, w, b, y, y)
         return (y, h) if add else y
 
     return (forward, backward) if grad else run
@@ -782,32 +795,44 @@ def plan_row_norm(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtyp
 
 def _plan_backward(M, N, dtype, device, weight, bias, is_rms, x_dtype, residual_dtype):
     """The training plan's backward (see :func:`plan_row_norm`) for (M, N) normalized rows of
-    ``dtype`` (the input's, or h's), None unless the fused backward serves: the fused kernel
-    (compiled with and without h's gradient, as calls come), then one launch summing the programs'
-    partials; a grid of one program writes dweight / dbias itself (its partials are the sums: same
-    values, one launch less). dx in ``x_dtype``; dresidual in ``residual_dtype``, None for none."""
+    ``dtype`` (the input's, or h's), None where the looped backward serves: the fused or split-row
+    kernel (compiled with and without h's gradient, as calls come), then one launch summing the
+    programs' partials; a fused grid of one program writes dweight / dbias itself (its partials are
+    the sums: same values, one launch less). dx in ``x_dtype``; dresidual in ``residual_dtype``,
+    None for none."""
     cfg = config.backward(M, N, dtype, device, is_rms)
-    if not cfg.fused:
+    if not (cfg.fused or cfg.split > 1):
         return None
     has_w, has_db, has_dres = weight is not None, bias is not None, residual_dtype is not None
-    dw_dtype, db_dtype = (weight.dtype if has_w else None), (bias.dtype if has_db else None)
-    parts, direct = has_w + has_db, cfg.grid[0] == 1
-    kernels = [Bound(_bwd_fused_kernel, cfg.grid, device.index, ROWS=cfg.rows_per_program,
-                     BLOCK_N=cfg.block_size, PREFETCH=cfg.prefetch, IS_RMS=is_rms, HAS_W=has_w, HAS_DB=has_db,
-                     HAS_DH=has_dh, HAS_DRES=has_dres, DROPOUT=False, ACC=config.tl_acc_dtype(dtype),
-                     num_warps=cfg.num_warps) for has_dh in (False, True)]  # fmt: skip
-    summed = None if direct or not parts else reduce.plan_sum(cfg.grid[0], N, (dw_dtype, db_dtype), device)
-    acc, G = config.acc_dtype(dtype), cfg.grid[0]
+    grads = (weight.dtype if has_w else None, bias.dtype if has_db else None)
+    direct = cfg.fused and cfg.grid[0] == 1
+    flags = dict(IS_RMS=is_rms, HAS_W=has_w, HAS_DB=has_db, HAS_DRES=has_dres, DROPOUT=False,
+                 ACC=config.tl_acc_dtype(dtype), num_warps=cfg.num_warps)  # fmt: skip
+    if cfg.fused:
+        meta = dict(ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size, PREFETCH=cfg.prefetch)
+        kernel = _bwd_fused_kernel
+    else:
+        meta, kernel = coop.split_meta(cfg), _bwd_split_kernel
+    kernels = [Bound(kernel, cfg.grid, device.index, HAS_DH=has_dh, **meta, **flags)
+               for has_dh in (False, True)]  # fmt: skip
+    G = cfg.grid[0] // cfg.split  # partial rows
+    summed = None if direct or not any(grads) else reduce.plan_sum(G, N, grads, device)
+    acc = config.acc_dtype(dtype)
 
     def backward(dy, dh, xn, w, mean, rstd):
         if dy is None:
             dy = torch.zeros_like(xn, dtype=x_dtype)
         dx = torch.empty_like(xn, dtype=x_dtype)
         dres = torch.empty_like(xn, dtype=residual_dtype) if has_dres else None
-        buf, (dw, db) = reduce.targets((dw_dtype, db_dtype), G, N, acc, xn.device, direct)
-        kernels[dh is not None](xn, dy, dy if dh is None else dh, dx, dx if dres is None else dres,
-                                xn if w is None else w, mean, rstd, rstd if dw is None else dw,
-                                rstd if db is None else db, N, N, N, N, N, M, N, 0, 0.0, 1.0)  # fmt: skip
+        buf, (dw, db) = reduce.targets(grads, G, N, acc, xn.device, direct)
+        head = (xn, dy, dy if dh is None else dh, dx, dx if dres is None else dres, xn if w is None else w,
+                mean, rstd)  # fmt: skip
+        parts = (rstd if dw is None else dw, rstd if db is None else db)
+        if cfg.fused:
+            kernels[dh is not None](*head, *parts, N, N, N, N, N, M, N, 0, 0.0, 1.0)
+        else:
+            work = coop.workspace(M, 2, cfg.split, acc, xn.device)
+            kernels[dh is not None](*head, *work, *parts, N, N, N, N, N, M, N, cfg.split, 1, 0, 0.0, 1.0)
         if buf is not None:
             dw, db = summed(buf)
         return dx, dres, dw, db
@@ -822,12 +847,11 @@ def split_backward(cfg, x, dy, dh, dx, dres, w, w_rows, mean, rstd, dw_part, db_
     the caller's launch key (launch.py), if it has one. Also GroupNorm's backward for long (n, g)
     rows (group_norm.py)."""
     M, N = x.shape
-    kp = coop.chunks_pow2(cfg.split)
-    part, count = coop.workspace(M, 2, kp, config.acc_dtype(x.dtype), x.device)
+    part, count = coop.workspace(M, 2, cfg.split, config.acc_dtype(x.dtype), x.device)
     strides = (x.stride(0), dy.stride(0), dh.stride(0), dx.stride(0), dres.stride(0))
     launch(_bwd_split_kernel, cfg.grid,
         x, dy, dh, dx, dres, w, mean, rstd, part, count, dw_part, db_part, *strides, M, N, cfg.split,
-        w_rows, *drop, key=key, CHUNK=cfg.block_size, KP=kp, PREFETCH=cfg.prefetch, maxnreg=cfg.maxnreg,
+        w_rows, *drop, key=key, **coop.split_meta(cfg),
         **flags,
     )  # fmt: skip
 

@@ -287,11 +287,9 @@ def softmax_fwd(x, log):
         launch(_fwd_fused_kernel, cfg.grid, x, y, x.stride(0), y.stride(0), M, N, key=key,
                                     ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size, **flags)  # fmt: skip
     elif cfg.split > 1:
-        kp = coop.chunks_pow2(cfg.split)
-        part, count = coop.workspace(M, 2, kp, config.acc_dtype(x.dtype), x.device)
+        part, count = coop.workspace(M, 2, cfg.split, config.acc_dtype(x.dtype), x.device)
         launch(_fwd_split_kernel, cfg.grid, x, y, x.stride(0), y.stride(0), part, count, M, N, cfg.split,
-               key=key, CHUNK=cfg.block_size, KP=kp, PREFETCH=cfg.prefetch, maxnreg=cfg.maxnreg,
-               **flags)  # fmt: skip
+               key=key, **coop.split_meta(cfg), **flags)  # fmt: skip
     else:
         launch(_fwd_looped_kernel, cfg.grid, x, y, x.stride(0), y.stride(0), N, key=key,
                BLOCK_N=cfg.block_size, **flags)
@@ -301,33 +299,49 @@ def softmax_fwd(x, log):
 def plan_softmax(x, log, grad=False):
     """A plan for softmax / log_softmax calls along the last dim shaped like this one (contract
     extension, see layer_norm.plan_row_norm), for contiguous inputs of x's M * N elements: the fused
-    kernels, called directly. Inference: ``run(input) -> y``, one launch. Training (``grad``):
-    ``(forward, backward)``, ``forward(input) -> y`` and ``backward(dy, y) -> dx`` with dy
-    contiguous and 16-byte aligned. None for longer rows or off the GPU."""
+    or split-row kernels, called directly (split rows: with a fresh workspace each call). Inference:
+    ``run(input) -> y``, one launch. Training (``grad``): ``(forward, backward)``, ``forward(input)
+    -> y`` and ``backward(dy, y) -> dx`` with dy contiguous and 16-byte aligned. None where a
+    direction takes the looped kernels, or off the GPU."""
     M, N = x.shape
     cfg = config.softmax(M, N, x.dtype, x.device)
-    if x.device.type != "cuda" or not cfg.fused:
+    if x.device.type != "cuda" or not (cfg.fused or cfg.split > 1):
         return None
+    acc, index = config.acc_dtype(x.dtype), x.device.index
     flags = dict(LOG=log, ACC=config.tl_acc_dtype(x.dtype))
-    bound = Bound(_fwd_fused_kernel, cfg.grid, x.device.index, ROWS=cfg.rows_per_program,
-                  BLOCK_N=cfg.block_size, num_warps=cfg.num_warps, **flags)  # fmt: skip
+    if cfg.fused:
+        bound = Bound(_fwd_fused_kernel, cfg.grid, index, ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size,
+                      num_warps=cfg.num_warps, **flags)  # fmt: skip
+    else:
+        bound = Bound(_fwd_split_kernel, cfg.grid, index, num_warps=cfg.num_warps, **coop.split_meta(cfg),
+                      **flags)  # fmt: skip
 
     def run(x):
         y = torch.empty_like(x)
-        bound(x, y, N, N, M, N)
+        if cfg.fused:
+            bound(x, y, N, N, M, N)
+        else:
+            bound(x, y, N, N, *coop.workspace(M, 2, cfg.split, acc, x.device), M, N, cfg.split)
         return y
 
     if not grad:
         return run
     bcfg = config.softmax_backward(M, N, x.dtype, x.device)
-    if not bcfg.fused:
+    if bcfg.fused:
+        bwd = Bound(_bwd_fused_kernel, bcfg.grid, index, ROWS=bcfg.rows_per_program, BLOCK_N=bcfg.block_size,
+                    num_warps=bcfg.num_warps, **flags)  # fmt: skip
+    elif bcfg.split > 1:
+        bwd = Bound(_bwd_split_kernel, bcfg.grid, index, num_warps=bcfg.num_warps, **coop.split_meta(bcfg),
+                    **flags)  # fmt: skip
+    else:
         return None
-    bwd = Bound(_bwd_fused_kernel, bcfg.grid, x.device.index, ROWS=bcfg.rows_per_program,
-                BLOCK_N=bcfg.block_size, num_warps=bcfg.num_warps, **flags)  # fmt: skip
 
     def backward(dy, y):
         dx = torch.empty_like(y)
-        bwd(dy, y, dx, N, N, N, M, N)
+        if bcfg.fused:
+            bwd(dy, y, dx, N, N, N, M, N)
+        else:
+            bwd(dy, y, dx, N, N, N, *coop.workspace(M, 1, bcfg.split, acc, y.device), M, N, bcfg.split)
         return dx
 
     return run, backward
@@ -345,11 +359,9 @@ def softmax_bwd(dy, y, log):
         launch(_bwd_fused_kernel, cfg.grid, dy, y, dx, *strides, M, N, key=key,
                                     ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size, **flags)  # fmt: skip
     elif cfg.split > 1:
-        kp = coop.chunks_pow2(cfg.split)
-        part, count = coop.workspace(M, 1, kp, config.acc_dtype(y.dtype), y.device)
+        part, count = coop.workspace(M, 1, cfg.split, config.acc_dtype(y.dtype), y.device)
         launch(_bwd_split_kernel, cfg.grid, dy, y, dx, *strides, part, count, M, N, cfg.split, key=key,
-                                    CHUNK=cfg.block_size, KP=kp, PREFETCH=cfg.prefetch, maxnreg=cfg.maxnreg,
-                                    **flags)  # fmt: skip
+               **coop.split_meta(cfg), **flags)  # fmt: skip
     else:
         launch(_bwd_looped_kernel, cfg.grid, dy, y, dx, *strides, N, key=key, BLOCK_N=cfg.block_size, **flags)
     return dx

@@ -779,7 +779,8 @@ def test_split_rows_have_plans(run_on, dtype):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64], ids=str)
-def test_inference_plans_match_reference(run_on, dtype):
+@pytest.mark.parametrize("shape, nd", PLAN_SHAPES, ids=str)
+def test_inference_plans_match_reference(run_on, dtype, shape, nd):
     """No-grad calls run from a plan once their signature has been seen (functional._PLANS): three
     rounds of fresh data per signature, aligned and misaligned inputs (each its own plan), with and
     without weight / bias / residual, fp32 parameters and h with 16-bit inputs; every result matches
@@ -788,47 +789,48 @@ def test_inference_plans_match_reference(run_on, dtype):
 
     gpu = _on_gpu(run_on, "cuda", dtype)  # skips here without a GPU
     pdtypes = [dtype, torch.float32] if dtype.itemsize == 2 else [dtype]
+    functional._PLANS.clear()
     with gpu, torch.no_grad():
-        for shape, nd in PLAN_SHAPES:
-            ns, numel = shape[len(shape) - nd:], math.prod(shape)
-            for rnd in range(3):
-                big = _randn(numel + 8, dtype, seed=rnd)
-                for offset in (0, 1):  # 16-byte aligned, then not
-                    x = big[offset:offset + numel].view(shape)
-                    x64 = x.double()
-                    for pd in pdtypes:
-                        w, b = _randn(ns, pd, seed=10 + rnd) + 1, _randn(ns, pd, seed=20 + rnd)
-                        w64, b64 = w.double(), b.double()
-                        calls = {
-                            "layer_norm": (normkit.layer_norm(x, ns, w, b), F.layer_norm(x64, ns, w64, b64)),
-                            "layer_norm, no weight": (normkit.layer_norm(x, list(ns)), F.layer_norm(x64, ns)),
-                            "rms_norm": (normkit.rms_norm(x, ns, w, 1e-5), F.rms_norm(x64, ns, w64, 1e-5)),
-                            "rms_norm, no weight": (normkit.rms_norm(x, ns), F.rms_norm(
-                                x64, ns, eps=torch.finfo(dtype).eps)),
-                            "softmax": (normkit.softmax(x, -1), torch.softmax(x64, -1)),
-                            "log_softmax": (normkit.log_softmax(x, x.dim() - 1), torch.log_softmax(x64, -1)),
-                        }  # fmt: skip
-                        r = _randn(shape, dtype, seed=30 + rnd)
-                        for op, hd in itertools.product(("add_layer_norm", "add_rms_norm"), (None, pd)):
-                            for res in (r, None):
-                                y, h = getattr(normkit, op)(x, res, ns, w, residual_dtype=hd, prenorm=True)
-                                h64 = x64 if res is None else x64 + res.double()
-                                # y normalizes h as stored (in its dtype), as the backward sees it
-                                calls[f"{op}, h dtype {hd}, residual {res is not None}: h"] = h, h64
-                                calls[f"{op}, h dtype {hd}, residual {res is not None}: y"] = y, (
-                                    F.rms_norm(h.double(), ns, w64, torch.finfo(dtype).eps) if "rms" in op
-                                    else F.layer_norm(h.double(), ns, w64))  # fmt: skip
-                        for name, (y, y64) in calls.items():
-                            what = f"{name} {list(shape)} offset {offset} round {rnd} params {pd}"
-                            assert y.shape == x.shape and not y.requires_grad, what
-                            assert_close(y, y64, dtype, "fwd", what)
+        ns, numel = shape[len(shape) - nd:], math.prod(shape)
+        for rnd in range(3):
+            big = _randn(numel + 8, dtype, seed=rnd)
+            for offset in (0, 1):  # 16-byte aligned, then not
+                x = big[offset:offset + numel].view(shape)
+                x64 = x.double()
+                for pd in pdtypes:
+                    w, b = _randn(ns, pd, seed=10 + rnd) + 1, _randn(ns, pd, seed=20 + rnd)
+                    w64, b64 = w.double(), b.double()
+                    calls = {
+                        "layer_norm": (normkit.layer_norm(x, ns, w, b), F.layer_norm(x64, ns, w64, b64)),
+                        "layer_norm, no weight": (normkit.layer_norm(x, list(ns)), F.layer_norm(x64, ns)),
+                        "rms_norm": (normkit.rms_norm(x, ns, w, 1e-5), F.rms_norm(x64, ns, w64, 1e-5)),
+                        "rms_norm, no weight": (normkit.rms_norm(x, ns), F.rms_norm(
+                            x64, ns, eps=torch.finfo(dtype).eps)),
+                        "softmax": (normkit.softmax(x, -1), torch.softmax(x64, -1)),
+                        "log_softmax": (normkit.log_softmax(x, x.dim() - 1), torch.log_softmax(x64, -1)),
+                    }  # fmt: skip
+                    r = _randn(shape, dtype, seed=30 + rnd)
+                    for op, hd in itertools.product(("add_layer_norm", "add_rms_norm"), (None, pd)):
+                        for res in (r, None):
+                            y, h = getattr(normkit, op)(x, res, ns, w, residual_dtype=hd, prenorm=True)
+                            h64 = x64 if res is None else x64 + res.double()
+                            # y normalizes h as stored (in its dtype), as the backward sees it
+                            calls[f"{op}, h dtype {hd}, residual {res is not None}: h"] = h, h64
+                            calls[f"{op}, h dtype {hd}, residual {res is not None}: y"] = y, (
+                                F.rms_norm(h.double(), ns, w64, torch.finfo(dtype).eps) if "rms" in op
+                                else F.layer_norm(h.double(), ns, w64))  # fmt: skip
+                    for name, (y, y64) in calls.items():
+                        what = f"{name} {list(shape)} offset {offset} round {rnd} params {pd}"
+                        assert y.shape == x.shape and not y.requires_grad, what
+                        assert_close(y, y64, dtype, "fwd", what)
     plans = [p for p in functional._PLANS.values() if p is not functional._NO_PLAN]
-    assert plans, "no call was served by a plan"
+    assert plans and len(plans) == len(functional._PLANS), "a signature of this shape has no plan"
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64], ids=str)
-def test_training_plans_match_reference(run_on, dtype):
+@pytest.mark.parametrize("shape, nd", PLAN_SHAPES, ids=str)
+def test_training_plans_match_reference(run_on, dtype, shape, nd):
     """Calls that want gradients run from a training plan once their signature has been seen
     (functional._PLANS, ops.RowNormTraining / SoftmaxTraining): two rounds of fresh data per
     signature, aligned and misaligned inputs, with and without weight / bias / residual, fp32
@@ -840,8 +842,9 @@ def test_training_plans_match_reference(run_on, dtype):
 
     gpu = _on_gpu(run_on, "cuda", dtype)  # skips here without a GPU
     pdtypes = [dtype, torch.float32] if dtype.itemsize == 2 else [dtype]
+    functional._PLANS.clear()
     with gpu:
-        for (shape, nd), rnd, offset, pd in itertools.product(PLAN_SHAPES, range(2), (0, 1), pdtypes):
+        for rnd, offset, pd in itertools.product(range(2), (0, 1), pdtypes):
             ns, numel = shape[len(shape) - nd:], math.prod(shape)
             x = _randn(numel + 8, dtype, seed=rnd)[offset:offset + numel].view(shape).requires_grad_()
             w = torch.nn.Parameter(_randn(ns, pd, seed=10 + rnd) + 1)

@@ -757,8 +757,9 @@ PLAN_SHAPES = [((1, 4096), 1), ((3, 1000), 1), ((128, 8192), 1), ((2, 5, 64), 2)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_split_rows_have_plans(run_on, dtype):
     """The split-row kernels serve plans (inference and training) for the long rows of PLAN_SHAPES,
-    so the plan tests below exercise them."""
-    from normkit.backends.cuda import config, layer_norm, softmax
+    and GroupNorm's fp32 split backward for the last of GN_PLAN_SHAPES, so the plan tests below
+    exercise them."""
+    from normkit.backends.cuda import config, group_norm, layer_norm, softmax
 
     gpu = _on_gpu(run_on, "cuda", dtype)  # skips here without a GPU
     with gpu:
@@ -775,6 +776,10 @@ def test_split_rows_have_plans(run_on, dtype):
         assert config.forward(4, 12000, dtype, x.device).fused
         assert config.backward(4, 12000, dtype, x.device, False).split > 1
         assert layer_norm.plan_row_norm(x12, w[:12000], w[:12000], 1e-5, False, grad=True) is not None
+        image, cw = _randn((2, 8, 48 * 48), dtype), _randn(8, dtype)
+        splits = config.group_norm_split_backward(4, 4 * 48 * 48, 2, dtype, x.device) is not None
+        assert splits == (dtype == torch.float32)
+        assert group_norm.plan_group_norm(image, cw, cw, 2, 1e-5, grad=True) is not None
 
 
 @pytest.mark.cuda
@@ -892,7 +897,9 @@ def test_training_plans_match_reference(run_on, dtype, shape, nd):
     assert {type(p).__name__ for p in trained} == {"RowNormTraining", "AddNormTraining", "SoftmaxTraining"}
 
 
-GN_PLAN_SHAPES = [((2, 8, 5, 7), 4), ((3, 32, 16, 16), 8), ((1, 4, 3), 2), ((4, 6, 1, 1), 3)]
+# the last: rows of L = 9216, whose fp32 backward splits (config.group_norm_split_backward)
+GN_PLAN_SHAPES = [((2, 8, 5, 7), 4), ((3, 32, 16, 16), 8), ((1, 4, 3), 2), ((4, 6, 1, 1), 3),
+                  ((2, 8, 48, 48), 2)]  # fmt: skip
 
 
 @pytest.mark.cuda

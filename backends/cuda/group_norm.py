@@ -7,7 +7,7 @@ L = (C / G) * HW elements. Forward: rows up to the row norms' fused limit are he
 [channels, HW] tiles; the per-channel sums of dy * xhat and dy are the dweight / dbias partials of
 that sample ((N, C) buffers, summed over N in a fixed order) and, weighted by w_c, the row's two
 dx terms; a second walk writes dx (rows of 100 KB are read twice from HBM: perf-notes v14).
-Long fp32 rows instead go through the row norms' split backward (``layer_norm.split_backward``:
+Long fp32 rows instead go through the row norms' split backward kernel (``layer_norm._bwd_split_kernel``:
 co-resident programs share a row and read it once; ``config.group_norm_split_backward``).
 """
 
@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from normkit.backends.common import exact_eps, group_norm_row_fwd, reciprocal
-from normkit.backends.cuda import config, layer_norm, reduce
+from normkit.backends.cuda import config, coop, layer_norm, reduce
 from normkit.backends.cuda.launch import Bound, launch
 
 
@@ -200,8 +200,9 @@ def plan_group_norm(x, weight, bias, num_groups, eps, grad=False):
     """A plan for GroupNorm calls shaped like this one (contract extension, see
     layer_norm.plan_row_norm, whose call protocol it follows), for contiguous inputs of x's (N, C,
     HW) elements with the parameters of the same presence, dtypes and alignment; the compiled kernels
-    are called directly (launch.Bound). None unless the fused forward serves (and, for ``grad``, the
-    one-program-per-row backward), or off the GPU.
+    are called directly (launch.Bound). None unless the fused forward serves, or off the GPU. The
+    training backward is the one-program-per-row kernel with planned partial sums, or for long fp32
+    rows the split backward (:func:`_split_backward`, a fresh workspace each call).
 
     Inference: ``run(input, None, weight, bias)`` -> y, one launch, no statistics written.
     Training (``grad``): ``(forward, backward)``: ``forward(input, None, weight, bias)`` -> (y, None,
@@ -214,9 +215,12 @@ def plan_group_norm(x, weight, bias, num_groups, eps, grad=False):
         return None
     backward = None
     if grad:
-        if config.group_norm_split_backward(rows, Cg * HW, num_groups, x.dtype, x.device) is not None:
-            return None
-        backward = _plan_backward(x, weight, bias, num_groups)
+        split = config.group_norm_split_backward(rows, Cg * HW, num_groups, x.dtype, x.device)
+        dtypes = (None if weight is None else weight.dtype, None if bias is None else bias.dtype)
+        if split is not None:
+            backward = _split_backward(split, x.shape, x.dtype, x.device, dtypes, num_groups)
+        else:
+            backward = _plan_backward(x, weight, bias, num_groups)
     acc = config.acc_dtype(x.dtype)
     bound = Bound(_fwd_fused_kernel, cfg.grid, x.device.index, ROWS=cfg.rows, CB=cfg.row_block,
                   HWB=cfg.hw_block, HAS_W=weight is not None, HAS_B=bias is not None,
@@ -271,7 +275,10 @@ def group_norm_bwd(dy, x, weight, mean, rstd, num_groups, bias_dtype):
     Cg = C // num_groups
     split = config.group_norm_split_backward(N * num_groups, Cg * HW, num_groups, x.dtype, x.device)
     if split is not None:
-        return _split_bwd(split, dy, x, weight, mean, rstd, num_groups, bias_dtype)
+        dtypes = (None if weight is None else weight.dtype, bias_dtype)
+        dx, _, dweight, dbias = _split_backward(split, x.shape, x.dtype, x.device, dtypes, num_groups)(
+            dy, None, x, weight, mean, rstd)
+        return dx, dweight, dbias
     cfg = config.group_norm_backward(N * num_groups, Cg, HW, x.dtype)
     dx = torch.empty_like(x)
     acc = config.acc_dtype(x.dtype)
@@ -289,26 +296,36 @@ def group_norm_bwd(dy, x, weight, mean, rstd, num_groups, bias_dtype):
     return dx, dweight, dbias
 
 
-def _split_bwd(cfg, dy, x, weight, mean, rstd, G, bias_dtype):
-    """The backward of long rows: the row norms' split backward over the (N * G, L) rows, with
-    weight row g = weight[g * Cg + j // HW] (j < L); its (row groups, L) dweight / dbias partials
-    are summed over the groups of each g and over HW (torch.sum: a fixed order)."""
-    N, C, HW = x.shape
+def _split_backward(cfg, shape, dtype, device, dtypes, G):
+    """The backward of long rows (``cfg`` from ``config.group_norm_split_backward``) for (N, C, HW)
+    inputs of ``dtype``, as a plan's ``backward(dy, None, x, weight, mean, rstd)`` -> (dx, None,
+    dweight, dbias) (plan_group_norm's protocol; the full path calls it too): the row norms' split
+    backward over the (N * G, L) rows by a direct launch (launch.Bound), with weight row g =
+    weight[g * Cg + j // HW] (j < L); its (row groups, L) dweight / dbias partials (``dtypes``, None
+    for none) are summed over the row groups of each g and over HW (torch.sum: a fixed order)."""
+    N, C, HW = shape
     M, L = N * G, C // G * HW
-    has_w, has_db = weight is not None, bias_dtype is not None
-    grad_dtypes = (weight.dtype if has_w else None, bias_dtype)
+    has_w, has_db = dtypes[0] is not None, dtypes[1] is not None
     groups = cfg.grid[0] // cfg.split
-    acc = config.acc_dtype(x.dtype)
-    part_buf, (dw_part, db_part) = reduce.partials(grad_dtypes, groups, L, acc, x.device)
-    dx = torch.empty_like(x)
-    rows, drows = x.view(M, L), dx.view(M, L)
-    w = weight.repeat_interleave(HW).view(G, L) if has_w else rows
-    flags = dict(IS_RMS=False, HAS_W=has_w, HAS_DB=has_db, HAS_DH=False, HAS_DRES=False, DROPOUT=False,
-                 ACC=config.tl_acc_dtype(x.dtype), num_warps=cfg.num_warps)  # fmt: skip
-    layer_norm.split_backward(cfg, rows, dy.view(M, L), rows, drows, drows, w, G, mean, rstd,
-                              mean if dw_part is None else dw_part, mean if db_part is None else db_part,
-                              (0, 0.0, 1.0), flags)  # fmt: skip
-    sums = iter(part_buf.view(-1, groups // G, G, C // G, HW).sum(dim=(1, 4)).view(-1, C))
-    dweight = next(sums).to(weight.dtype) if has_w else None
-    dbias = next(sums).to(bias_dtype) if has_db else None
-    return dx, dweight, dbias
+    acc = config.acc_dtype(dtype)
+    bound = Bound(layer_norm._bwd_split_kernel, cfg.grid, device.index, IS_RMS=False, HAS_W=has_w,
+                  HAS_DB=has_db, HAS_DH=False, HAS_DRES=False, DROPOUT=False, ACC=config.tl_acc_dtype(dtype),
+                  num_warps=cfg.num_warps, **coop.split_meta(cfg))  # fmt: skip
+
+    def backward(dy, dh, x, w, mean, rstd):
+        dx = torch.empty_like(x)
+        rows, drows = x.view(M, L), dx.view(M, L)
+        buf, (dw_part, db_part) = reduce.targets(dtypes, groups, L, acc, x.device)
+        w_rows = w.repeat_interleave(HW).view(G, L) if has_w else rows
+        parts = (mean if dw_part is None else dw_part, mean if db_part is None else db_part)
+        work = coop.workspace(M, 2, cfg.split, acc, x.device)
+        bound(rows, dy.view(M, L), rows, drows, drows, w_rows, mean, rstd, *work, *parts, L, L, L, L, L, M, L,
+              cfg.split, G, 0, 0.0, 1.0)  # fmt: skip
+        if buf is None:
+            return dx, None, None, None
+        sums = iter(buf.view(-1, groups // G, G, C // G, HW).sum(dim=(1, 4)).view(-1, C))
+        dw = next(sums).to(dtypes[0]) if has_w else None
+        db = next(sums).to(dtypes[1]) if has_db else None
+        return dx, None, dw, db
+
+    return backward

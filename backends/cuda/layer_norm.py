@@ -844,8 +844,8 @@ def split_backward(cfg, x, dy, dh, dx, dres, w, w_rows, mean, rstd, dw_part, db_
     """Launch the split-row backward (``cfg`` from ``config.split_row``, grid = row groups x
     chunks) over (M, N) rows; ``w``: (w_rows, N) weight rows, row r using row r % w_rows (the row
     groups must be a multiple of w_rows); ``flags``: the kernel's constexprs and num_warps; ``key``:
-    the caller's launch key (launch.py), if it has one. Also GroupNorm's backward for long (n, g)
-    rows (group_norm.py)."""
+    the caller's launch key (launch.py), if it has one. (GroupNorm's long rows launch the same kernel
+    from their plan, group_norm._split_backward.)"""
     M, N = x.shape
     part, count = coop.workspace(M, 2, cfg.split, config.acc_dtype(x.dtype), x.device)
     strides = (x.stride(0), dy.stride(0), dh.stride(0), dx.stride(0), dres.stride(0))

@@ -840,22 +840,6 @@ def _plan_backward(M, N, dtype, device, weight, bias, is_rms, x_dtype, residual_
     return backward
 
 
-def split_backward(cfg, x, dy, dh, dx, dres, w, w_rows, mean, rstd, dw_part, db_part, drop, flags, key=None):
-    """Launch the split-row backward (``cfg`` from ``config.split_row``, grid = row groups x
-    chunks) over (M, N) rows; ``w``: (w_rows, N) weight rows, row r using row r % w_rows (the row
-    groups must be a multiple of w_rows); ``flags``: the kernel's constexprs and num_warps; ``key``:
-    the caller's launch key (launch.py), if it has one. (GroupNorm's long rows launch the same kernel
-    from their plan, group_norm._split_backward.)"""
-    M, N = x.shape
-    part, count = coop.workspace(M, 2, cfg.split, config.acc_dtype(x.dtype), x.device)
-    strides = (x.stride(0), dy.stride(0), dh.stride(0), dx.stride(0), dres.stride(0))
-    launch(_bwd_split_kernel, cfg.grid,
-        x, dy, dh, dx, dres, w, mean, rstd, part, count, dw_part, db_part, *strides, M, N, cfg.split,
-        w_rows, *drop, key=key, **coop.split_meta(cfg),
-        **flags,
-    )  # fmt: skip
-
-
 def _backward(dy, x, weight, mean, rstd, bias_dtype, is_rms, dh=None, x_dtype=None,
               residual_dtype=None, dropout_p=0.0, seed=0):  # fmt: skip
     """-> (dx, dresidual or None, dweight or None, dbias or None).
@@ -894,7 +878,11 @@ def _backward(dy, x, weight, mean, rstd, bias_dtype, is_rms, dh=None, x_dtype=No
             ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size, PREFETCH=cfg.prefetch, **flags,
         )  # fmt: skip
     elif cfg.split > 1:
-        split_backward(cfg, x, dy, dh_, dx, dres_, w, 1, mean, rstd, dw_part, db_part, drop, flags, key)
+        part, count = coop.workspace(M, 2, cfg.split, acc, x.device)
+        launch(_bwd_split_kernel, cfg.grid,
+            x, dy, dh_, dx, dres_, w, mean, rstd, part, count, dw_part, db_part, *strides, M, N, cfg.split, 1,
+            *drop, key=key, **coop.split_meta(cfg), **flags,
+        )  # fmt: skip
     else:
         c1 = torch.empty(M, dtype=acc, device=x.device)
         c2 = c1 if is_rms else torch.empty_like(c1)

@@ -223,7 +223,7 @@ PLANS_SIZE = 4096  # signatures remembered; then cleared
 _NO_PLAN = object()  # a signature the backend has no plan for (asked once)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _TRAINING = {"layer_norm": ops.RowNormTraining, "rms_norm": ops.RowNormTraining,
-             "group_norm": ops.RowNormTraining,
+             "group_norm": ops.RowNormTraining, "batch_norm": ops.BatchNormTraining,
              "add_layer_norm": ops.AddNormTraining, "add_rms_norm": ops.AddNormTraining,
              "softmax": ops.SoftmaxTraining, "log_softmax": ops.SoftmaxTraining}  # fmt: skip
 
@@ -552,6 +552,14 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
     statistics normalize the input. Forward and backward are deterministic.
     """
     op = "batch_norm"
+    # momentum is an argument of the plan, not part of its key (nn.BatchNorm's cumulative average
+    # passes a new one each step)
+    key = _plan_key(op, input, (weight, bias, running_mean, running_var),
+                    training if type(training) is bool else None, eps if type(eps) is float else None,
+                    True if type(momentum) is float else None)  # fmt: skip
+    plan = _stored_plan(key)
+    if plan is not None:
+        return plan(input, weight, bias, running_mean, running_var, momentum)
     _check_tensor(op, "input", input, required=True)
     if input.dim() < 2:
         raise InvalidArgument(f"{op}: input must have shape (N, C, *), got {list(input.shape)}")
@@ -570,11 +578,14 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
     if training and count == 1:
         raise InvalidArgument(f"{op}: expected more than 1 value per channel when training, got input "
                               f"shape {list(input.shape)}")  # fmt: skip
-    _backend(op, input, weight=weight, bias=bias, running_mean=running_mean,
-             running_var=running_var)  # fmt: skip
+    backend = _backend(op, input, weight=weight, bias=bias, running_mean=running_mean,
+                       running_var=running_var)  # fmt: skip
     # weight / bias as torch; the running statistics may be of any float dtype (docs/testing.md).
     _check_param_dtypes(op, input, weight=weight, bias=bias)
     x = input.reshape(input.shape[0], C, math.prod(input.shape[2:])).contiguous()
+    plan = _plan(key, backend, "plan_batch_norm", x, weight, bias, running_mean, running_var, eps, training)
+    if plan is not None:
+        return plan(input, weight, bias, running_mean, running_var, momentum)
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     if training:  # one operator: statistics, running statistics and y (CUDA: one read of x)
         if count == 0:  # an empty batch leaves the running statistics as they are (as torch)

@@ -562,6 +562,26 @@ class _PlannedSoftmax(torch.autograd.Function):
         return None, ctx.plan.backward(_dense(dy, y.dtype), y)
 
 
+class _PlannedBatchNorm(torch.autograd.Function):
+    """BatchNorm in training mode from a training plan (``plan_batch_norm(..., grad=True)``): the
+    running statistics are updated in place by the plan's forward, as the full path's eager kernel
+    updates them."""
+
+    @staticmethod
+    def forward(ctx, plan, x, weight, bias, running_mean, running_var, momentum):
+        y, mean, rstd = plan.forward(x, weight, bias, running_mean, running_var, momentum)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.plan = plan
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        x, weight, mean, rstd = ctx.saved_tensors
+        dx, dw, db = ctx.plan.backward(_dense(dy, x.dtype), x, weight, mean, rstd)
+        return None, dx, dw, db, None, None, None
+
+
 class RowNormTraining:
     """A backend's training plan for a LayerNorm / RMSNorm / GroupNorm signature (``plan_row_norm`` /
     ``plan_group_norm(..., grad=True)`` -> (forward, backward)), called as its inference plan is:
@@ -592,6 +612,16 @@ class SoftmaxTraining(RowNormTraining):
 
     def __call__(self, x):
         return _PlannedSoftmax.apply(self, x)
+
+
+class BatchNormTraining(RowNormTraining):
+    """A backend's training plan for a BatchNorm signature (``plan_batch_norm(..., grad=True)``):
+    ``plan(input, weight, bias, running_mean, running_var, momentum)``."""
+
+    __slots__ = ()
+
+    def __call__(self, x, weight, bias, running_mean, running_var, momentum):
+        return _PlannedBatchNorm.apply(self, x, weight, bias, running_mean, running_var, momentum)
 
 
 def unit_stride(rows: Tensor) -> Tensor:

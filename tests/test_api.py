@@ -198,8 +198,34 @@ def _planning_backend(calls: list):
 
         return forward, backward
 
+    def plan_batch_norm(x, weight, bias, running_mean, running_var, eps, training, grad=False):
+        if grad and not training:
+            return None
+        bias_dtype = None if bias is None else bias.dtype
+
+        def forward(inp, w, b, rm, rv, momentum):
+            calls.append("batch_norm forward")
+            y, mean, rstd, _, _ = ref.batch_norm_train_fwd(inp.reshape(x.shape), w, b, eps, momentum, rm, rv,
+                                                           in_place=True)  # fmt: skip
+            return y.view(inp.shape), mean, rstd
+
+        def backward(dy, inp, w, mean, rstd):
+            calls.append("batch_norm backward")
+            dy = dense(dy, inp.dtype).reshape(x.shape)
+            dx, dw, db = ref.batch_norm_bwd(dy, inp.reshape(x.shape), w, mean, rstd, True, bias_dtype)
+            return dx.view(inp.shape), dw, db
+
+        def run_eval(inp, w, b, rm, rv, momentum):
+            calls.append("batch_norm eval")
+            y = ref.batch_norm_apply(inp.reshape(x.shape), w, b, rm, torch.rsqrt(rv + eps))
+            return y.view(inp.shape)
+
+        if not training:
+            return run_eval
+        return (forward, backward) if grad else (lambda *args: forward(*args)[0])
+
     module.plan_row_norm, module.plan_softmax = plan_row_norm, plan_softmax
-    module.plan_group_norm = plan_group_norm
+    module.plan_group_norm, module.plan_batch_norm = plan_group_norm, plan_batch_norm
     return module
 
 
@@ -262,6 +288,49 @@ def test_training_plans_run_forward_and_backward(monkeypatch):
                     assert calls == [], name  # no inference plan here: the full path
     plans = [p for p in functional._PLANS.values() if p is not functional._NO_PLAN]
     assert {type(p).__name__ for p in plans} == {"RowNormTraining", "AddNormTraining", "SoftmaxTraining"}
+    functional._PLANS.clear()
+
+
+def test_batch_norm_plans_update_running_statistics(monkeypatch):
+    """BatchNorm calls run from a backend's plans (training with and without gradients, eval without)
+    once their signature has been seen: y, every gradient and the running statistics (updated in
+    place, a new momentum each step as nn.BatchNorm's cumulative average passes, so momentum is not
+    part of the plan's key) match torch in fp64; eval mode with gradients takes the full path."""
+    from normkit import functional
+
+    calls: list = []
+    module = _planning_backend(calls)
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    functional._PLANS.clear()
+    f64 = torch.float64
+    w, b = (torch.nn.Parameter(torch.randn(4, dtype=f64)) for _ in range(2))
+    ours = [torch.randn(4, dtype=f64), torch.rand(4, dtype=f64) + 0.5]
+    theirs = [t.clone() for t in ours]
+    with dispatch.use_backend("cpu", module.__name__):
+        for rnd in range(3):
+            momentum = 1.0 / (rnd + 1)
+            x = torch.randn(3, 4, 5, 6, dtype=f64, requires_grad=True)
+            modes = ((True, True, ["batch_norm forward", "batch_norm backward"]),
+                     (True, False, ["batch_norm forward"]), (False, False, ["batch_norm eval"]),
+                     (False, True, []))  # (training, gradients wanted, plan calls)  # fmt: skip
+            for train, grad, served in modes:
+                calls.clear()
+                with torch.set_grad_enabled(grad):
+                    y = normkit.batch_norm(x, *ours, w, b, training=train, momentum=momentum)
+                    yr = F.batch_norm(x, *theirs, w, b, training=train, momentum=momentum)
+                what = (rnd, train, grad)
+                torch.testing.assert_close(y, yr, msg=str(what))
+                for got, expected in zip(ours, theirs):
+                    torch.testing.assert_close(got, expected, msg=str(what))
+                if grad:
+                    dy = torch.randn_like(y)
+                    grads = torch.autograd.grad(y, (x, w, b), dy)
+                    for g, e in zip(grads, torch.autograd.grad(yr, (x, w, b), dy)):
+                        torch.testing.assert_close(g, e, msg=str(what))
+                assert calls == served, (what, calls)
+    plans = {(key[-1], type(p).__name__) for key, p in functional._PLANS.items() if key[0] == "batch_norm"}
+    # training and eval-mode inference plans; none for eval mode with gradients
+    assert plans == {(True, "BatchNormTraining"), (False, "function"), (True, "object")}, plans
     functional._PLANS.clear()
 
 

@@ -945,3 +945,89 @@ def test_group_norm_plans_match_reference(run_on, dtype):
     served = {key[-1] for key, p in functional._PLANS.items()
               if key[0] == "group_norm" and p is not functional._NO_PLAN}  # fmt: skip
     assert served == {False, True}, "GroupNorm calls were not served by inference and training plans"
+
+
+# (N, C, *spatial): split channels in both directions (one and several chunks a channel), a 1-D
+# spatial dim, and HW < BATCH_NORM_SPLIT_MIN_HW (two-pass kernels: an eval plan, no training plan)
+BN_PLAN_SHAPES = [(4, 8, 32, 32), (8, 4, 48, 48), (2, 6, 300), (5, 3, 7, 9)]
+
+
+def _batch_norm_call(monkeypatch, x, stats, w, b, train, grad, momentum, plans):
+    """normkit.batch_norm on clones of ``stats`` (None entries: none given) -> (y, the statistics
+    after the call); ``plans=False``: the full path (no plan looked up or made, none forgotten)."""
+    from normkit import functional
+
+    run = [None if s is None else s.clone() for s in stats]
+    with monkeypatch.context() as patch:
+        if not plans:
+            patch.setattr(functional, "_stored_plan", lambda key: None)
+            patch.setattr(functional, "_plan", lambda *args: None)
+        with torch.set_grad_enabled(grad):
+            return normkit.batch_norm(x, *run, w, b, training=train, momentum=momentum), run
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("shape", BN_PLAN_SHAPES, ids=str)
+def test_batch_norm_plans_match_reference(run_on, monkeypatch, shape, dtype):
+    """BatchNorm calls run from plans (plan_batch_norm): training with and without gradients (the
+    running statistics updated in place; a new momentum each call, as nn.BatchNorm's cumulative
+    average passes) and eval without gradients; three rounds of fresh data per signature, aligned
+    and misaligned inputs, with and without weight / bias / running statistics, fp32 parameters
+    with 16-bit inputs. The outputs, running statistics and every gradient match fp64 torch, a
+    second backward is bitwise equal, and the full path (plans off) gives bitwise the same y and
+    running statistics."""
+    from normkit import functional
+    from normkit.backends.cuda import config
+
+    gpu = _on_gpu(run_on, "cuda", dtype)  # skips here without a GPU
+    pdtypes = [dtype, torch.float32] if dtype.itemsize == 2 else [dtype]
+    numel, C = math.prod(shape), shape[1]
+    rows = shape[0] * math.prod(shape[2:])  # values per channel
+    modes = ((True, True), (True, False), (False, False))  # (training, gradients wanted)
+    with gpu:
+        functional._PLANS.clear()
+        cases = itertools.product(range(3), (0, 1), pdtypes, (True, False), (True, False), modes)
+        for rnd, offset, pd, affine, running, (train, grad) in cases:
+            what = (f"batch_norm {list(shape)} round {rnd} offset {offset} params {pd} affine {affine} "
+                    f"running {running} training {train} grad {grad}")  # fmt: skip
+            x = _randn(numel + 8, dtype, seed=rnd)[offset:offset + numel].view(shape).requires_grad_()
+            w = torch.nn.Parameter(_randn(C, pd, seed=10 + rnd) * 0.5 + 1) if affine else None
+            b = torch.nn.Parameter(_randn(C, pd, seed=20 + rnd)) if affine else None
+            stats = [_randn(C, torch.float32, seed=30 + rnd), _randn(C, torch.float32, seed=31 + rnd).abs()]
+            stats = [stats[0], stats[1] + 0.5] if running or not train else [None, None]
+            inputs = (x, w, b) if affine else (x,)
+            inputs64 = tuple(t.detach().double().requires_grad_() for t in inputs)
+            x64, w64, b64 = (*inputs64, None, None)[:3]
+            momentum = 0.1 + 0.2 * rnd + 0.05 * offset
+            y, run = _batch_norm_call(monkeypatch, x, stats, w, b, train, grad, momentum, True)
+            run64 = [None if s is None else s.double() for s in stats]
+            y64 = F.batch_norm(x64, *run64, w64, b64, training=train, momentum=momentum)
+            assert y.requires_grad == grad and y.shape == x.shape, what
+            assert_close(y, y64, dtype, "fwd", what)
+            for got, ref in zip(run, run64):
+                if ref is not None:
+                    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-6, msg=what)
+            full, full_run = _batch_norm_call(monkeypatch, x, stats, w, b, train, grad, momentum, False)
+            assert torch.equal(y, full), f"{what}: plan and full path differ"
+            for got, ref in zip(run, full_run):
+                assert got is None or torch.equal(got, ref), f"{what}: running statistics differ"
+            if not grad:
+                continue
+            dy = _randn(shape, dtype, seed=40 + rnd)
+            grads = torch.autograd.grad(y, inputs, dy, retain_graph=True)
+            again = torch.autograd.grad(y, inputs, dy)
+            expected = torch.autograd.grad(y64, inputs64, dy.double())
+            for i, (g, g2, e, t) in enumerate(zip(grads, again, expected, inputs)):
+                label = f"{what}: gradient of input {i}"
+                assert g.dtype == t.dtype and g.shape == t.shape, label
+                assert_close(g, e, dtype, "param" if i else "bwd", label, rows=rows)
+                assert torch.equal(g, g2), f"{label} differs between two runs"
+    hw, cuda = math.prod(shape[2:]), torch.device("cuda")
+    splits = all(config.batch_norm_split(shape[0], C, hw, dtype, cuda, bwd) for bwd in (False, True))
+    kinds = {(key[-1], type(p).__name__) for key, p in functional._PLANS.items() if key[0] == "batch_norm"}
+    if splits:  # a training plan, and inference plans in training and eval mode
+        assert kinds == {(True, "BatchNormTraining"), (False, "function")}, kinds
+    else:  # two-pass kernels: the full path in training, an inference plan in eval mode
+        assert kinds == {(True, "object"), (False, "object"), (False, "function")}, kinds
+    functional._PLANS.clear()

@@ -11,6 +11,7 @@ from normkit.backends.cuda.batch_norm import (
     batch_norm_bwd,
     batch_norm_stats,
     batch_norm_train_fwd,
+    plan_batch_norm,
 )
 from normkit.backends.cuda.group_norm import group_norm_bwd, group_norm_fwd, plan_group_norm
 from normkit.backends.cuda.layer_norm import (
@@ -55,4 +56,5 @@ __all__ = [
     "plan_row_norm",  # optional plans, inference and training (normkit.functional; docs/backends.md)
     "plan_softmax",
     "plan_group_norm",
+    "plan_batch_norm",
 ]

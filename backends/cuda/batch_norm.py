@@ -25,6 +25,8 @@ apply) and x and dy twice in the backward: 3 / 2 and 5 / 3 of the bytes a single
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -32,7 +34,7 @@ import triton.language as tl
 from normkit.backends.common import exact_eps, reciprocal
 from normkit.backends.cuda import config, coop, reduce
 from normkit.backends.cuda.coop import arrive, wait
-from normkit.backends.cuda.launch import launch
+from normkit.backends.cuda.launch import Bound, launch
 from normkit.reference import train_fwd_from
 
 
@@ -470,26 +472,41 @@ def batch_norm_train_fwd(x, weight, bias, eps, momentum, running_mean, running_v
     cfg = config.batch_norm_split(N, C, HW, x.dtype, x.device, False)
     if cfg is None:
         return _train_fwd_two_pass(x, weight, bias, eps, momentum, running_mean, running_var, in_place)
-    acc = config.acc_dtype(x.dtype)
-    kp = coop.chunks_pow2(cfg.split)
-    part, count = coop.workspace(C, 2, cfg.split, acc, x.device)
-    y = torch.empty_like(x)
-    mean = torch.empty(C, dtype=acc, device=x.device)
-    rstd = torch.empty_like(mean)
     # The k = 0 program of a channel reads its running statistics before writing them: in place is safe.
     rm = running_mean if in_place or running_mean is None else torch.empty_like(running_mean)
     rv = running_var if in_place or running_var is None else torch.empty_like(running_var)
-    L = N * HW
-    launch(_fwd_split_kernel, cfg.grid,
-        x, y, weight if weight is not None else x, bias if bias is not None else x, mean, rstd,
-        x if rm is None else running_mean, x if rv is None else running_var, x if rm is None else rm,
-        x if rv is None else rv,
-        part, count, L, C, HW, cfg.split, eps, config.eps_tail(eps, x.device), float(momentum),
-        L / max(1, L - 1), CHUNK=cfg.block_size, VEC=config.run_length(HW, x.dtype), KP=kp,
-        HAS_W=weight is not None, HAS_B=bias is not None, HAS_RM=rm is not None, HAS_RV=rv is not None,
-        ACC=config.tl_acc_dtype(x.dtype), PIPELINE=cfg.prefetch, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
-    )  # fmt: skip
-    return y, mean, rstd, rm, rv
+    forward = _split_forward(cfg, x.shape, x.dtype, x.device, eps, weight is not None, bias is not None,
+                             rm is not None, rv is not None)  # fmt: skip
+    return (*forward(x, weight, bias, running_mean, running_var, rm, rv, momentum), rm, rv)
+
+
+def _split_forward(cfg, shape, dtype, device, eps, has_w, has_b, has_rm, has_rv):
+    """The training forward on split channels (``cfg``: ``config.batch_norm_split(..., False)``) for
+    contiguous inputs of ``shape`` (N, C, *) and ``dtype``, by a direct launch (launch.Bound; the
+    full path and the plans call it): ``forward(x, weight, bias, running_mean, running_var,
+    running_mean_out, running_var_out, momentum)`` -> (y in x's shape, mean, rstd), the running
+    statistics after this step written to the ``_out`` tensors (the given ones for in place), a
+    fresh workspace (partials, zeroed counters) each call."""
+    N, C = shape[:2]
+    HW = math.prod(shape[2:])
+    L, acc = N * HW, config.acc_dtype(dtype)
+    bound = Bound(_fwd_split_kernel, cfg.grid, device.index, CHUNK=cfg.block_size,
+                  VEC=config.run_length(HW, dtype), KP=coop.chunks_pow2(cfg.split), HAS_W=has_w, HAS_B=has_b,
+                  HAS_RM=has_rm, HAS_RV=has_rv, ACC=config.tl_acc_dtype(dtype), PIPELINE=cfg.prefetch,
+                  num_warps=cfg.num_warps, maxnreg=cfg.maxnreg)  # fmt: skip
+    eps_lo, unbias = config.eps_tail(eps, device), L / max(1, L - 1)
+
+    def forward(x, w, b, rm, rv, rm_out, rv_out, momentum):
+        part, count = coop.workspace(C, 2, cfg.split, acc, x.device)
+        y = torch.empty_like(x)
+        mean = torch.empty(C, dtype=acc, device=x.device)
+        rstd = torch.empty_like(mean)
+        bound(x, y, x if w is None else w, x if b is None else b, mean, rstd, x if rm is None else rm,
+              x if rv is None else rv, x if rm_out is None else rm_out, x if rv_out is None else rv_out, part,
+              count, L, C, HW, cfg.split, eps, eps_lo, float(momentum), unbias)  # fmt: skip
+        return y, mean, rstd
+
+    return forward
 
 
 def batch_norm_apply(x, weight, bias, mean, rstd):
@@ -514,19 +531,8 @@ def batch_norm_bwd(dy, x, weight, mean, rstd, training, bias_dtype):
     N, C, HW = x.shape
     cfg = config.batch_norm_split(N, C, HW, x.dtype, x.device, True)
     if cfg is not None:
-        kp = coop.chunks_pow2(cfg.split)
-        part, count = coop.workspace(C, 2, cfg.split, config.acc_dtype(x.dtype), x.device)
-        dx = torch.empty_like(x)
-        dweight = torch.empty(C, dtype=weight.dtype, device=x.device) if weight is not None else None
-        dbias = torch.empty(C, dtype=bias_dtype, device=x.device) if bias_dtype is not None else None
-        launch(_bwd_split_kernel, cfg.grid,
-            x, dy, dx, weight if weight is not None else x, mean, rstd, x if dweight is None else dweight,
-            x if dbias is None else dbias, part, count, N * HW, C, HW, cfg.split, CHUNK=cfg.block_size,
-            VEC=config.run_length(HW, x.dtype), KP=kp, HAS_W=weight is not None, HAS_DB=dbias is not None,
-            TRAINING=training, ACC=config.tl_acc_dtype(x.dtype), PIPELINE=cfg.prefetch,
-            num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
-        )  # fmt: skip
-        return dx, dweight, dbias
+        dtypes = (None if weight is None else weight.dtype, bias_dtype)
+        return _split_backward(cfg, x.shape, x.dtype, x.device, dtypes, training)(dy, x, weight, mean, rstd)
     acc = config.acc_dtype(x.dtype)
     cfg = config.batch_norm_sums(N, C, HW, x.dtype, x.device)
     part, (dyx_part, dy_part) = reduce.partials((acc, acc), cfg.parts, C, acc, x.device)
@@ -544,3 +550,82 @@ def batch_norm_bwd(dy, x, weight, mean, rstd, training, bias_dtype):
     dweight = sum_dy_xhat.to(weight.dtype) if weight is not None else None
     dbias = sum_dy.to(bias_dtype) if bias_dtype is not None else None
     return dx, dweight, dbias
+
+
+def _split_backward(cfg, shape, dtype, device, dtypes, training):
+    """The backward on split channels (``cfg``: ``config.batch_norm_split(..., True)``) for
+    contiguous inputs of ``shape`` (N, C, *) and ``dtype``, by a direct launch (launch.Bound; the
+    full path and the plans call it): ``backward(dy, x, weight, mean, rstd)`` -> (dx, dweight,
+    dbias), dweight / dbias in ``dtypes`` (None for none), a fresh workspace each call."""
+    N, C = shape[:2]
+    HW = math.prod(shape[2:])
+    has_w, has_db = dtypes[0] is not None, dtypes[1] is not None
+    acc = config.acc_dtype(dtype)
+    bound = Bound(_bwd_split_kernel, cfg.grid, device.index, CHUNK=cfg.block_size,
+                  VEC=config.run_length(HW, dtype), KP=coop.chunks_pow2(cfg.split), HAS_W=has_w,
+                  HAS_DB=has_db, TRAINING=training, ACC=config.tl_acc_dtype(dtype), PIPELINE=cfg.prefetch,
+                  num_warps=cfg.num_warps, maxnreg=cfg.maxnreg)  # fmt: skip
+
+    def backward(dy, x, w, mean, rstd):
+        part, count = coop.workspace(C, 2, cfg.split, acc, x.device)
+        dx = torch.empty_like(x)
+        dw = torch.empty(C, dtype=dtypes[0], device=x.device) if has_w else None
+        db = torch.empty(C, dtype=dtypes[1], device=x.device) if has_db else None
+        bound(x, dy, dx, x if w is None else w, mean, rstd, x if dw is None else dw, x if db is None else db,
+              part, count, N * HW, C, HW, cfg.split)  # fmt: skip
+        return dx, dw, db
+
+    return backward
+
+
+def plan_batch_norm(x, weight, bias, running_mean, running_var, eps, training, grad=False):
+    """A plan for BatchNorm calls shaped like this one (contract extension, docs/design.md), for
+    contiguous inputs of x's (N, C, HW) elements with the parameters and running statistics of the
+    same presence, dtypes and alignment; the compiled kernels are called directly (launch.Bound).
+    None off the GPU, in eval mode with gradients wanted, and in training where channels do not
+    split (``config.batch_norm_split``: the two-pass kernels serve).
+
+    Inference (no gradient wanted): ``run(input, weight, bias, running_mean, running_var,
+    momentum)`` -> y in input's shape; in training the running statistics are updated in place (as
+    the full path does in eager mode). Training (``grad``): ``(forward, backward)``:
+    ``forward(input, weight, bias, running_mean, running_var, momentum)`` -> (y, mean, rstd), the
+    running statistics updated in place; ``backward(dy, input, weight, mean, rstd)`` -> (dx,
+    dweight, dbias), dy contiguous and 16-byte aligned, None where there is no weight / bias."""
+    N, C, HW = x.shape
+    if x.device.type != "cuda" or (grad and not training):
+        return None
+    has_w, has_b = weight is not None, bias is not None
+    if not training:
+        return _plan_eval(x, has_w, has_b, eps)
+    cfg = config.batch_norm_split(N, C, HW, x.dtype, x.device, False)
+    bcfg = config.batch_norm_split(N, C, HW, x.dtype, x.device, True) if grad else None
+    if cfg is None or (grad and bcfg is None):
+        return None
+    split = _split_forward(cfg, x.shape, x.dtype, x.device, eps, has_w, has_b, running_mean is not None,
+                           running_var is not None)  # fmt: skip
+
+    def forward(x, w, b, rm, rv, momentum):
+        return split(x, w, b, rm, rv, rm, rv, momentum)
+
+    if not grad:
+        return lambda *args: forward(*args)[0]
+    dtypes = (None if weight is None else weight.dtype, None if bias is None else bias.dtype)
+    return forward, _split_backward(bcfg, x.shape, x.dtype, x.device, dtypes, True)
+
+
+def _plan_eval(x, has_w, has_b, eps):
+    """:func:`plan_batch_norm`'s eval-mode inference plan: y from the running statistics, one
+    launch of the apply kernel after rstd = rsqrt(running_var + eps) (as the full path)."""
+    N, C, HW = x.shape
+    cfg = config.batch_norm_rows(N * C, HW, x.dtype)
+    acc = config.acc_dtype(x.dtype)
+    bound = Bound(_apply_kernel, cfg.grid, x.device.index, RB=cfg.row_block, HWB=cfg.hw_block, HAS_W=has_w,
+                  HAS_B=has_b, ACC=config.tl_acc_dtype(x.dtype), num_warps=cfg.num_warps)  # fmt: skip
+
+    def run(x, w, b, rm, rv, momentum):
+        rstd = torch.rsqrt(rv.to(acc) + eps)
+        y = torch.empty_like(x)
+        bound(x, y, x if w is None else w, x if b is None else b, rm.to(acc), rstd, N * C, C, HW)
+        return y
+
+    return run

@@ -757,8 +757,8 @@ PLAN_SHAPES = [((1, 4096), 1), ((3, 1000), 1), ((128, 8192), 1), ((2, 5, 64), 2)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_split_rows_have_plans(run_on, dtype):
     """The split-row kernels serve plans (inference and training) for the long rows of PLAN_SHAPES,
-    and GroupNorm's fp32 split backward for the last of GN_PLAN_SHAPES, so the plan tests below
-    exercise them."""
+    GroupNorm's fp32 split backward for (2, 8, 48, 48) of GN_PLAN_SHAPES and its split forward for
+    (2, 32, 64, 64), so the plan tests below exercise them."""
     from normkit.backends.cuda import config, group_norm, layer_norm, softmax
 
     gpu = _on_gpu(run_on, "cuda", dtype)  # skips here without a GPU
@@ -780,6 +780,11 @@ def test_split_rows_have_plans(run_on, dtype):
         splits = config.group_norm_split_backward(4, 4 * 48 * 48, 2, dtype, x.device) is not None
         assert splits == (dtype == torch.float32)
         assert group_norm.plan_group_norm(image, cw, cw, 2, 1e-5, grad=True) is not None
+        long = _randn((2, 32, 64 * 64), dtype)
+        assert not config.group_norm(4, 16, 64 * 64, dtype).fused  # the row norms' split forward
+        assert config.group_norm_split_forward(4, 16 * 64 * 64, 2, dtype, x.device, False) is not None
+        for grad in (False, True):
+            assert group_norm.plan_group_norm(long, None, None, 2, 1e-5, grad=grad) is not None
 
 
 @pytest.mark.cuda
@@ -897,9 +902,10 @@ def test_training_plans_match_reference(run_on, dtype, shape, nd):
     assert {type(p).__name__ for p in trained} == {"RowNormTraining", "AddNormTraining", "SoftmaxTraining"}
 
 
-# the last: rows of L = 9216, whose fp32 backward splits (config.group_norm_split_backward)
+# (2, 8, 48, 48): rows of L = 9216, whose fp32 backward splits (config.group_norm_split_backward);
+# (2, 32, 64, 64): rows of L = 65536, over the fused forward's limit (the split forward)
 GN_PLAN_SHAPES = [((2, 8, 5, 7), 4), ((3, 32, 16, 16), 8), ((1, 4, 3), 2), ((4, 6, 1, 1), 3),
-                  ((2, 8, 48, 48), 2)]  # fmt: skip
+                  ((2, 8, 48, 48), 2), ((2, 32, 64, 64), 2)]  # fmt: skip
 
 
 @pytest.mark.cuda

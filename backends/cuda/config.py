@@ -345,7 +345,9 @@ def backward(M: int, N: int, dtype: torch.dtype, device: torch.device, is_rms: b
 # First versions (one program per (n, g) row or per channel, 4096-element 1-D tiles) reached
 # 0.04-0.35 of copy forward and 0.03-0.23 backward (docs/benchmarks.md, v13 run; perf-notes v14).
 # GroupNorm forward rows of L = (C / G) * HW elements up to the row norms' fused limit are held in
-# registers (one HBM read), longer rows loop over tiles of GROUP_NORM_LOOP_BLOCK. The other image
+# registers (one HBM read); longer rows take the row norms' split forward (co-resident programs a
+# row, ``group_norm_split_forward``; H100, measured with this change: perf-notes v22) or, where it
+# cannot run (CPU, too many chunks), loop over tiles of GROUP_NORM_LOOP_BLOCK. The other image
 # kernels walk 2-D tiles [rows or channels, HW columns] of about IMAGE_TILE elements whose column
 # tile is a power of two chosen to waste at most 1 / IMAGE_MAX_WASTE of its lanes on HW's tail
 # (HW = 3136 = 56 x 56 takes 7 x 512, not 4 x 1024).
@@ -458,6 +460,24 @@ def group_norm_backward(rows: int, Cg: int, HW: int, dtype: torch.dtype) -> Imag
 
 
 @_memoized
+def group_norm_split_forward(rows: int, L: int, G: int, dtype: torch.dtype, device: torch.device,
+                             affine: bool) -> LaunchConfig | None:  # fmt: skip
+    """GroupNorm forward of rows over the fused limit through the row norms' split forward (the
+    LayerNorm setting of ``SPLIT_FWD``) over the ``rows`` = N * G rows of L = Cg * HW, or None (the
+    looped kernel): fp32 / fp64 with a weight or bias (``affine``; measured slower, below), where
+    ``split_row`` cannot run (CPU, more chunks than co-resident programs) or fewer than G row groups
+    fit (row groups a multiple of G, as in the backward).
+
+    H100, GPU time only, split vs looped (docs/bench/h100-2026-11-22-v22-gn/split-gpu.txt; 8x512x64x64,
+    32x512x64x64, 16x256x128x128, G = 32): without weight / bias bf16 0.61 / 0.77 / 0.76 vs 0.46 /
+    0.63 / 0.61, fp32 0.72 / 0.84 vs 0.59 / 0.64; with both, bf16 0.45 / 0.62 / 0.51 vs 0.35 / 0.52
+    / 0.54, fp32 0.42 / 0.50 vs 0.53 / 0.64 (the per-row weight rows, gathered per element)."""
+    if affine and dtype.itemsize >= 4:
+        return None
+    return _group_aligned(split_row(rows, L, dtype, device, *SPLIT_FWD[dtype.itemsize >= 4, "layer_norm"]), G)
+
+
+@_memoized
 def group_norm_split_backward(rows: int, L: int, G: int, dtype: torch.dtype, device: torch.device,
                               ) -> LaunchConfig | None:  # fmt: skip
     """GroupNorm backward through the row norms' split backward (``SPLIT_BWD``) over the ``rows`` =
@@ -467,7 +487,13 @@ def group_norm_split_backward(rows: int, L: int, G: int, dtype: torch.dtype, dev
     (layer_norm.py)."""
     if L <= GROUP_NORM_SPLIT_MIN_L.get(dtype.itemsize, L):
         return None
-    cfg = next((c for c in (split_row(rows, L, dtype, device, *s) for s in SPLIT_BWD) if c), None)
+    return _group_aligned(next((c for c in (split_row(rows, L, dtype, device, *s) for s in SPLIT_BWD) if c),
+                               None), G)  # fmt: skip
+
+
+def _group_aligned(cfg: LaunchConfig | None, G: int) -> LaunchConfig | None:
+    """A split-row config whose row groups are cut to a multiple of G (program group g then takes
+    rows of one GroupNorm group only: one weight row, kept in cache), or None if fewer than G fit."""
     if cfg is None:
         return None
     groups = cfg.grid[0] // cfg.split // G * G

@@ -1,14 +1,17 @@
 """GroupNorm (and InstanceNorm, its C-groups case) on NVIDIA GPUs: kernels, then launchers.
 
-A contiguous (N, C, HW) input holds each (sample, group) as one contiguous row of
-L = (C / G) * HW elements. Forward: rows up to the row norms' fused limit are held in registers
-(one HBM read; several short rows to a program), longer rows are walked twice by one program
-(Chan merging of tiles, ``backends/common.py``). Backward: one program per row walks it in
-[channels, HW] tiles; the per-channel sums of dy * xhat and dy are the dweight / dbias partials of
-that sample ((N, C) buffers, summed over N in a fixed order) and, weighted by w_c, the row's two
-dx terms; a second walk writes dx (rows of 100 KB are read twice from HBM: perf-notes v14).
-Long fp32 rows instead go through the row norms' split backward kernel (``layer_norm._bwd_split_kernel``:
-co-resident programs share a row and read it once; ``config.group_norm_split_backward``).
+A contiguous (N, C, HW) input holds each (sample, group) as one contiguous row of L = (C / G) * HW
+elements. Forward: rows up to the row norms' fused limit are held in registers (one HBM read;
+several short rows to a program); longer rows go through the row norms' split forward
+(``layer_norm._fwd_split_kernel`` with one weight row per group: co-resident programs share a row
+and read it once; ``config.group_norm_split_forward``), or where that cannot run (CPU, too many
+chunks) are walked twice by one program (Chan merging of tiles, ``backends/common.py``). Backward:
+one program per row walks it in [channels, HW] tiles; the per-channel sums of dy * xhat and dy are
+the dweight / dbias partials of that sample ((N, C) buffers, summed over N in a fixed order) and,
+weighted by w_c, the row's two dx terms; a second walk writes dx (rows of 100 KB are read twice from
+HBM: perf-notes v14). Long fp32 rows instead go through the row norms' split backward kernel
+(``layer_norm._bwd_split_kernel``: co-resident programs share a row and read it once;
+``config.group_norm_split_backward``).
 """
 
 from __future__ import annotations
@@ -187,9 +190,15 @@ def group_norm_fwd(x, weight, bias, num_groups, eps):
     eps_lo = config.eps_tail(eps, x.device)
     flags = dict(HAS_W=weight is not None, HAS_B=bias is not None, ACC=config.tl_acc_dtype(x.dtype),
                  num_warps=cfg.num_warps)  # fmt: skip
+    affine = weight is not None or bias is not None
+    split = None if cfg.fused else config.group_norm_split_forward(rows, L, num_groups, x.dtype, x.device,
+                                                                   affine)  # fmt: skip
     if cfg.fused:
         launch(_fwd_fused_kernel, cfg.grid, x, y, w, b, mean, rstd, rows, num_groups, HW, C // num_groups,
                eps, eps_lo, ROWS=cfg.rows, CB=cfg.row_block, HWB=cfg.hw_block, **flags)  # fmt: skip
+    elif split is not None:
+        _split_forward(split, x.shape, x.dtype, x.device, weight is not None, bias is not None, num_groups,
+                       eps)(x, y, w, b, mean, rstd)  # fmt: skip
     else:
         launch(_fwd_looped_kernel, cfg.grid, x, y, w, b, mean, rstd, num_groups, L, HW, C // num_groups, eps,
                eps_lo, BLOCK=cfg.hw_block, **flags)  # fmt: skip
@@ -200,18 +209,20 @@ def plan_group_norm(x, weight, bias, num_groups, eps, grad=False):
     """A plan for GroupNorm calls shaped like this one (contract extension, see
     layer_norm.plan_row_norm, whose call protocol it follows), for contiguous inputs of x's (N, C,
     HW) elements with the parameters of the same presence, dtypes and alignment; the compiled kernels
-    are called directly (launch.Bound). None unless the fused forward serves, or off the GPU. The
+    are called directly (launch.Bound). None off the GPU. The forward is the fused kernel or, for
+    rows over its limit, the split (:func:`_split_forward`) or looped one (both write the
+    statistics, also for inference); the
     training backward is the one-program-per-row kernel with planned partial sums, or for long fp32
     rows the split backward (:func:`_split_backward`, a fresh workspace each call).
 
-    Inference: ``run(input, None, weight, bias)`` -> y, one launch, no statistics written.
-    Training (``grad``): ``(forward, backward)``: ``forward(input, None, weight, bias)`` -> (y, None,
-    mean, rstd); ``backward(dy, None, input, weight, mean, rstd)`` -> (dx, None, dweight, dbias),
-    dy contiguous and 16-byte aligned, None where there is no weight / bias."""
+    Inference: ``run(input, None, weight, bias)`` -> y, one launch (no statistics written by the
+    fused kernel). Training (``grad``): ``(forward, backward)``: ``forward(input, None, weight,
+    bias)`` -> (y, None, mean, rstd); ``backward(dy, None, input, weight, mean, rstd)`` -> (dx, None,
+    dweight, dbias), dy contiguous and 16-byte aligned, None where there is no weight / bias."""
     N, C, HW = x.shape
     rows, Cg = N * num_groups, C // num_groups
     cfg = config.group_norm(rows, Cg, HW, x.dtype)
-    if x.device.type != "cuda" or not cfg.fused:
+    if x.device.type != "cuda":
         return None
     backward = None
     if grad:
@@ -222,25 +233,42 @@ def plan_group_norm(x, weight, bias, num_groups, eps, grad=False):
         else:
             backward = _plan_backward(x, weight, bias, num_groups)
     acc = config.acc_dtype(x.dtype)
-    bound = Bound(_fwd_fused_kernel, cfg.grid, x.device.index, ROWS=cfg.rows, CB=cfg.row_block,
-                  HWB=cfg.hw_block, HAS_W=weight is not None, HAS_B=bias is not None,
-                  ACC=config.tl_acc_dtype(x.dtype), num_warps=cfg.num_warps, STATS=grad)  # fmt: skip
+    flags = dict(HAS_W=weight is not None, HAS_B=bias is not None, ACC=config.tl_acc_dtype(x.dtype),
+                 num_warps=cfg.num_warps)  # fmt: skip
     eps_lo = config.eps_tail(eps, x.device)
+    affine = weight is not None or bias is not None
+    split = None if cfg.fused else config.group_norm_split_forward(rows, Cg * HW, num_groups, x.dtype,
+                                                                   x.device, affine)  # fmt: skip
+    if cfg.fused:
+        fused = Bound(_fwd_fused_kernel, cfg.grid, x.device.index, ROWS=cfg.rows, CB=cfg.row_block,
+                      HWB=cfg.hw_block, STATS=grad, **flags)  # fmt: skip
+
+        def launch_fwd(x, y, w, b, mean, rstd):
+            fused(x, y, w, b, mean, rstd, rows, num_groups, HW, Cg, eps, eps_lo)
+    elif split is not None:
+        launch_fwd = _split_forward(split, x.shape, x.dtype, x.device, weight is not None, bias is not None,
+                                    num_groups, eps)  # fmt: skip
+    else:
+        looped = Bound(_fwd_looped_kernel, cfg.grid, x.device.index, BLOCK=cfg.hw_block, **flags)
+
+        def launch_fwd(x, y, w, b, mean, rstd):
+            looped(x, y, w, b, mean, rstd, num_groups, Cg * HW, HW, Cg, eps, eps_lo)
 
     def forward(x, r, w, b):
         y = torch.empty_like(x)
         mean = torch.empty(rows, dtype=acc, device=x.device)
         rstd = torch.empty_like(mean)
-        bound(x, y, x if w is None else w, x if b is None else b, mean, rstd, rows, num_groups, HW, Cg, eps,
-              eps_lo)  # fmt: skip
+        launch_fwd(x, y, x if w is None else w, x if b is None else b, mean, rstd)
         return y, None, mean, rstd
 
     def run(x, r, w, b):
         y = torch.empty_like(x)
-        bound(x, y, x if w is None else w, x if b is None else b, y, y, rows, num_groups, HW, Cg, eps, eps_lo)
+        launch_fwd(x, y, x if w is None else w, x if b is None else b, y, y)
         return y
 
-    return (forward, backward) if grad else run
+    if grad:
+        return forward, backward
+    return run if cfg.fused else (lambda x, r, w, b: forward(x, r, w, b)[0])
 
 
 def _plan_backward(x, weight, bias, G):
@@ -294,6 +322,30 @@ def group_norm_bwd(dy, x, weight, mean, rstd, num_groups, bias_dtype):
         return dx, None, None
     dweight, dbias = reduce.sum_partials(part_buf, grad_dtypes)
     return dx, dweight, dbias
+
+
+def _split_forward(cfg, shape, dtype, device, has_w, has_b, G, eps):
+    """The forward of rows over the fused limit (``cfg`` from ``config.group_norm_split_forward``)
+    for contiguous (N, C, HW) inputs of ``dtype``, as ``launch_fwd(x, y, weight, bias, mean, rstd)``
+    (the full path and the plans call it): the row norms' split forward (LayerNorm) over the (N * G,
+    L) rows by a direct launch (launch.Bound), with weight / bias row g = weight[g * Cg + j // HW]
+    (j < L), a fresh workspace each call. Writes y and the (N * G,) statistics."""
+    N, C, HW = shape
+    M, L = N * G, C // G * HW
+    acc = config.acc_dtype(dtype)
+    bound = Bound(layer_norm._fwd_split_kernel, cfg.grid, device.index, IS_RMS=False, HAS_W=has_w,
+                  HAS_B=has_b, ADD=False, HAS_R=False, DROPOUT=False, ACC=config.tl_acc_dtype(dtype),
+                  num_warps=cfg.num_warps, **coop.split_meta(cfg))  # fmt: skip
+    eps_lo = config.eps_tail(eps, device)
+
+    def launch_fwd(x, y, w, b, mean, rstd):
+        w_rows = w.repeat_interleave(HW) if has_w else x  # (G * L,): G weight rows of L
+        b_rows = b.repeat_interleave(HW) if has_b else x
+        work = coop.workspace(M, 2, cfg.split, acc, x.device)
+        bound(x, x, y, y, w_rows, b_rows, mean, rstd, L, L, L, L, *work, M, L, cfg.split, G, eps, eps_lo, 0,
+              0.0, 1.0)  # fmt: skip
+
+    return launch_fwd
 
 
 def _split_backward(cfg, shape, dtype, device, dtypes, G):

@@ -245,8 +245,8 @@ def _fwd_split_kernel(
     R,  # (M, N) residual rows (read when ADD and HAS_R)
     H,  # (M, N) out: h (written when ADD)
     Y,  # (M, N) output rows; row stride stride_y
-    W,  # (N,) weight (unread unless HAS_W)
-    B,  # (N,) bias (unread unless HAS_B)
+    W,  # (WG, N) weight rows (unread unless HAS_W)
+    B,  # (WG, N) bias rows (unread unless HAS_B)
     Mean,  # (M,) out (unwritten when IS_RMS)
     Rstd,  # (M,) out
     stride_x,
@@ -258,6 +258,7 @@ def _fwd_split_kernel(
     M,
     N,
     K,  # chunks per row; program pid holds chunk pid % K of the rows of group pid // K
+    WG,  # rows of W / B: row r uses W[r % WG] (GroupNorm: one (N,) weight row per group); 1 otherwise
     eps,
     eps_lo,  # eps - fp32(eps): fp64 kernels add it back (exact_eps)
     seed,
@@ -326,10 +327,11 @@ def _fwd_split_kernel(
             else:
                 x = tl.load(X + r64 * stride_x + cols, mask=mask, other=0.0).to(ACC)
         y = normalize(x - shift, mean, rstd, mask, IS_RMS)
+        w_row = (row % WG) * N
         if HAS_W:
-            y = y * tl.load(W + cols, mask=mask, other=0.0).to(ACC)
+            y = y * tl.load(W + w_row + cols, mask=mask, other=0.0).to(ACC)
         if HAS_B:
-            y = y + tl.load(B + cols, mask=mask, other=0.0).to(ACC)
+            y = y + tl.load(B + w_row + cols, mask=mask, other=0.0).to(ACC)
         tl.store(Y + r64 * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -720,7 +722,7 @@ def _forward(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtype=Non
                                     BLOCK_N=cfg.block_size, **flags)  # fmt: skip
     elif cfg.split > 1:
         part, count = coop.workspace(M, 2, cfg.split, rstd.dtype, x.device)
-        launch(_fwd_split_kernel, cfg.grid, *args, part, count, M, N, cfg.split, eps, tail, *drop, key=key,
+        launch(_fwd_split_kernel, cfg.grid, *args, part, count, M, N, cfg.split, 1, eps, tail, *drop, key=key,
                **coop.split_meta(cfg), **flags)  # fmt: skip
     else:
         launch(_fwd_looped_kernel, cfg.grid, *args, N, eps, tail, *drop, key=key, BLOCK_N=cfg.block_size,
@@ -770,8 +772,8 @@ def plan_row_norm(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtyp
         if cfg.fused:
             bound(*head, M, N, eps, tail, 0, 0.0, 1.0)
         else:
-            bound(*head, *coop.workspace(M, 2, cfg.split, stat, x.device), M, N, cfg.split, eps, tail, 0, 0.0,
-                  1.0)  # fmt: skip
+            bound(*head, *coop.workspace(M, 2, cfg.split, stat, x.device), M, N, cfg.split, 1, eps, tail, 0,
+                  0.0, 1.0)  # fmt: skip
 
     def forward(x, r, w, b):
         y = torch.empty_like(x)

@@ -756,7 +756,8 @@ PLAN_SHAPES = [((1, 4096), 1), ((3, 1000), 1), ((128, 8192), 1), ((2, 5, 64), 2)
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_split_rows_have_plans(run_on, dtype):
-    """The split-row kernels serve plans (inference and training) for the long rows of PLAN_SHAPES,
+    """The split-row kernels (and, for aligned 16-bit rows, the shared-memory forward) serve plans
+    (inference and training) for the long rows of PLAN_SHAPES,
     GroupNorm's fp32 split backward for (2, 8, 48, 48) of GN_PLAN_SHAPES and its split forward for
     (2, 32, 64, 64), so the plan tests below exercise them."""
     from normkit.backends.cuda import config, group_norm, layer_norm, softmax
@@ -765,6 +766,8 @@ def test_split_rows_have_plans(run_on, dtype):
     with gpu:
         x, w = _randn((3, 40000), dtype), _randn(40000, dtype)
         assert config.forward(3, 40000, dtype, x.device).split > 1
+        # aligned 16-bit rows of 40000 are held in shared memory instead (smem.py): plans serve them
+        assert config.forward(3, 40000, dtype, x.device, "rms_norm", True).smem == (dtype.itemsize == 2)
         assert config.backward(3, 40000, dtype, x.device, False).split > 1
         assert config.softmax(3, 40000, dtype, x.device).split > 1
         for grad in (False, True):

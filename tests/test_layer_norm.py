@@ -184,3 +184,37 @@ def test_more_than_2_31_elements_forward(run_on, backend):
             expected = torch.nn.functional.layer_norm(x[rows].double(), (n,), w.double(), b.double())
             assert_close(y[rows], expected, torch.bfloat16, "fwd", f"y[{rows.start}:{rows.stop}]")
         assert math.prod(y.shape) == m * n
+
+
+# Rows resident in shared memory (CUDA, 16-bit, N a multiple of 16 over the fused limit, up to what
+# one program's shared memory holds; backends/cuda/smem.py): a masked last buffer (40000), more rows
+# than programs (300), two full buffers' worth of rows in flight (65536), the largest row (114688).
+SMEM_SHAPES = [(1, 40000), (300, 40000), (3, 65536), (140, 114688)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("op,affine", [(op, a) for op in OPS for a in AFFINE + [(True, True)]
+                                       if op == "layer_norm" or not a[1]], ids=str)  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", SMEM_SHAPES, ids=str)
+def test_rows_in_shared_memory(run_on, shape, dtype, op, affine):
+    """The shared-memory forward (chosen for these shapes, asserted) matches fp64, with and without
+    weight / bias; misaligned rows of the same shape take the split forward and match too."""
+    from normkit.backends.cuda import config, layer_norm
+
+    with run_on(Executor("cuda", "cuda"), dtype):
+        device = torch.device("cuda")
+        assert config.forward(*shape, dtype, device, op, True).smem
+        check_case(op, shape, 1, dtype, device, weight=affine[0], bias=affine[1],
+                   seed=zlib.crc32(f"{shape}{op}{affine}".encode()))  # fmt: skip
+        inputs = make_inputs(op, (shape[0], shape[1] + 8), 1, dtype, device, affine[0], affine[1], seed=3)
+        for key in ("x", "dy"):
+            inputs[key] = inputs[key][:, 8:]  # row stride N + 8: not a multiple of 16, no cp.async
+        for key in ("weight", "bias"):
+            if inputs[key] is not None:
+                inputs[key] = inputs[key][8:]
+        inputs["normalized_shape"] = (shape[1],)
+        assert not layer_norm._smem_ok(inputs["x"])
+        out = public_results(op, eps=1e-5, **inputs)
+        ref = reference_results(op, eps=1e-5, **inputs)
+        assert_close(out["y"], ref["y"], dtype, "fwd", "y", rows=shape[0])

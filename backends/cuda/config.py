@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from normkit.backends.cuda import smem
+
 # A row whose next power of two is at most this many elements is held in registers by one program
 # (one read of x). Longer rows loop over column tiles and read x twice (stats, then normalize).
 # Measured on H100, M*N = 2^27, fraction of copy, fused vs looped (ci/measure-fused-threshold.py,
@@ -197,6 +199,7 @@ class LaunchConfig:
     maxnreg: int = MAX_REGISTERS  # register cap per thread the kernel is compiled with (split rows)
     prefetch: bool = False  # backward: load the next row tile (fused; split: the next row's chunk,
     # and publish its partials) during this one
+    smem: bool = False  # forward: rows resident in shared memory (smem.py), split chunks = buffers
 
 
 @functools.lru_cache(maxsize=64)
@@ -277,13 +280,43 @@ def split_row(M: int, N: int, dtype: torch.dtype, device: torch.device, chunk: i
 
 @_memoized
 def forward(M: int, N: int, dtype: torch.dtype, device: torch.device, kind: str = "layer_norm",
-            ) -> LaunchConfig:  # fmt: skip
+            smem_ok: bool = False) -> LaunchConfig:  # fmt: skip
     """Row forward of ``kind`` (a ``SPLIT_FWD`` key: layer_norm, rms_norm, add_norm, softmax):
-    fused (rows in registers), split rows or looped (one program per row, two reads of x)."""
+    fused (rows in registers), rows resident in shared memory (``smem_ok``: the caller checked
+    ``smem.fits``; see :func:`smem_row`), split rows or looped (one program per row, two reads of x)."""
     cfg = _row_sweep(M, N, dtype, FUSED_MAX_N_FWD)
     if not cfg.fused:
+        cfg = (smem_ok and smem_row(M, N, dtype, device, kind)) or cfg
+    if not (cfg.fused or cfg.smem):
         cfg = split_row(M, N, dtype, device, *SPLIT_FWD[dtype.itemsize >= 4, kind]) or cfg
     return cfg
+
+
+# Rows resident in shared memory (smem.py), keyed by op kind: (chunk elements, num_warps). Only
+# for the kinds and dtypes measured faster than split rows: 16-bit LayerNorm / RMSNorm rows longer
+# than the fused limit that fit one program's shared memory (N <= ~110 K on the H100). H100, GPU
+# time of the kernel alone, bf16, M * N = 2^27, against the split-row forward in the same process
+# (.dbg prototype, perf-notes v23): N = 65536 RMSNorm 0.93 (chunk 16384 x 16 warps; 8192 x 16:
+# 0.91; 32768 x 32: 0.92) vs 0.86 split, LayerNorm 0.86-0.87 vs 0.73. At N = 32768 the fused
+# kernels stay faster (0.95-0.98 vs 0.93-0.95), and in fp32 (rows of 32768: 0.93-0.97 vs 0.96-1.00).
+SMEM_FWD = {"layer_norm": (16384, 16), "rms_norm": (16384, 16)}
+SMEM_RESERVE = 1024  # bytes of a program's shared memory kept for the kernel's reductions
+
+
+def smem_row(M: int, N: int, dtype: torch.dtype, device: torch.device, kind: str) -> LaunchConfig | None:
+    """Rows resident in shared memory for ``kind`` (:data:`SMEM_FWD`), or None: not a CUDA device
+    of compute capability 8.0+ (``cp.async``), Gluon unavailable (smem.AVAILABLE), not 16-bit, or a
+    row larger than one program's shared memory. One program per SM (the row's buffers fill most
+    of it), each walking rows pid, pid + grid, ...; ``split`` = buffers a row."""
+    if device.type != "cuda" or kind not in SMEM_FWD or dtype.itemsize != 2 or not smem.AVAILABLE:
+        return None
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        return None
+    chunk, warps = SMEM_FWD[kind]
+    chunks = triton.cdiv(N, chunk)
+    if chunks * chunk * dtype.itemsize + SMEM_RESERVE > smem.smem_per_block(device):
+        return None
+    return LaunchConfig(chunk, warps, 1, (min(M, sm_count(device)),), False, chunks, smem=True)
 
 
 @_memoized

@@ -34,9 +34,10 @@ from normkit.backends.common import (
     residual_grad,
     residual_in,
 )
-from normkit.backends.cuda import config, coop, reduce
+from normkit.backends.cuda import config, coop, reduce, smem
 from normkit.backends.cuda.launch import Bound, int_spec, launch, tensor_spec
 from normkit.backends.cuda.coop import arrive, load_chunk, wait
+from normkit.backends.cuda.smem import async_copy, cp, gl
 from normkit.backends.row_norm_contract import row_norm_contract
 
 
@@ -333,6 +334,88 @@ def _fwd_split_kernel(
         if HAS_B:
             y = y + tl.load(B + w_row + cols, mask=mask, other=0.0).to(ACC)
         tl.store(Y + r64 * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@smem.jit
+def _fwd_smem_kernel(
+    X,  # (M, N) 16-bit input rows, 16-byte aligned; row stride stride_x (a multiple of 16)
+    W,  # (N,) weight (unread unless HAS_W)
+    B,  # (N,) bias (unread unless HAS_B)
+    Y,  # (M, N) output rows; row stride stride_y
+    Mean,  # (M,) fp32 out (unwritten when IS_RMS)
+    Rstd,  # (M,) fp32 out
+    stride_x,
+    stride_y,
+    M,
+    N,  # a multiple of 16, at most CHUNKS * CHUNK
+    eps,
+    CHUNK: gl.constexpr,  # columns per shared-memory buffer
+    CHUNKS: gl.constexpr,  # buffers: the whole row
+    IS_RMS: gl.constexpr,
+    HAS_W: gl.constexpr,
+    HAS_B: gl.constexpr,
+):
+    """Persistent grid, one program per SM; each program's rows pass through its shared memory
+    (smem.py): statistics from the buffers as the chunks land (LayerNorm: the mean, then the squared
+    deviations about it, both from shared memory), then per chunk: read it back, start the next
+    row's copy into its buffer, normalize, store. W / B of the next chunk load one chunk ahead."""
+    NW: gl.constexpr = gl.num_warps()
+    VEC: gl.constexpr = 8  # 16 bytes of 16-bit values per thread and copy
+    layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [NW], [0])
+    unswizzled: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # each thread reads what it copied
+    buf = gl.allocate_shared_memory(X.dtype.element_ty, [CHUNKS, CHUNK], unswizzled)
+    offs = gl.arange(0, CHUNK, layout=layout)
+    nprog = gl.num_programs(0)
+    inv_n = 1.0 / N.to(gl.float32)
+    smem.copy_row(buf, X, gl.program_id(0), M, N, stride_x, offs, CHUNK, CHUNKS)
+    for row in range(gl.program_id(0), M, nprog):
+        acc = gl.zeros([CHUNK], gl.float32, layout)
+        for c in gl.static_range(CHUNKS):
+            cp.wait_group(CHUNKS - 1 - c)  # chunk c has landed (masked-off columns are zeros)
+            x = buf.index(c).load(layout).to(gl.float32)
+            acc += x * x if IS_RMS else x
+        if IS_RMS:
+            mean = 0.0
+            rstd = gl.rsqrt(gl.sum(acc, axis=0) * inv_n + eps)
+        else:
+            mean = gl.sum(acc, axis=0) * inv_n
+            acc = gl.zeros([CHUNK], gl.float32, layout)
+            for c in gl.static_range(CHUNKS):
+                d = gl.where(c * CHUNK + offs < N, buf.index(c).load(layout).to(gl.float32) - mean, 0.0)
+                acc += d * d
+            rstd = gl.rsqrt(gl.sum(acc, axis=0) * inv_n + eps)
+            gl.store(Mean + row, mean)
+        gl.store(Rstd + row, rstd)
+        nxt = row + nprog
+        if HAS_W:
+            w = gl.load(W + offs, mask=offs < N, other=0.0)
+        if HAS_B:
+            b = gl.load(B + offs, mask=offs < N, other=0.0)
+        for c in gl.static_range(CHUNKS):
+            cols = c * CHUNK + offs
+            mask = cols < N
+            x = buf.index(c).load(layout)
+            if c + 1 < CHUNKS:
+                if HAS_W:
+                    w_next = gl.load(W + cols + CHUNK, mask=cols + CHUNK < N, other=0.0)
+                if HAS_B:
+                    b_next = gl.load(B + cols + CHUNK, mask=cols + CHUNK < N, other=0.0)
+            # the buffer is free once read: the next row's chunk starts landing during this store
+            async_copy(buf.index(c), X + nxt.to(gl.int64) * stride_x + cols,
+                                           mask=mask & (nxt < M))  # fmt: skip
+            cp.commit_group()
+            y = (x.to(gl.float32) - mean) * rstd
+            if HAS_W:
+                y = y * w.to(gl.float32)
+            if HAS_B:
+                y = y + b.to(gl.float32)
+            gl.store(Y + row.to(gl.int64) * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+            if c + 1 < CHUNKS:
+                if HAS_W:
+                    w = w_next
+                if HAS_B:
+                    b = b_next
+    cp.wait_group(0)
 
 
 @triton.jit
@@ -696,7 +779,7 @@ def _forward(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtype=Non
     """-> (y, h or None, mean, rstd); h = dropout(x) + residual is formed and normalized if add."""
     M, N = x.shape
     kind = "add_norm" if add else "rms_norm" if is_rms else "layer_norm"
-    cfg = config.forward(M, N, x.dtype, x.device, kind)
+    cfg = config.forward(M, N, x.dtype, x.device, kind, _smem_ok(x))
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     h = torch.empty((M, N), dtype=h_dtype, device=x.device) if add else None
     rstd = torch.empty(M, dtype=config.acc_dtype(x.dtype), device=x.device)
@@ -720,6 +803,9 @@ def _forward(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtype=Non
     if cfg.fused:
         launch(_fwd_fused_kernel, cfg.grid, *args, M, N, eps, tail, *drop, key=key, ROWS=cfg.rows_per_program,
                                     BLOCK_N=cfg.block_size, **flags)  # fmt: skip
+    elif cfg.smem:
+        launch(_fwd_smem_kernel, cfg.grid, x, args[4], args[5], y, mean, rstd, x.stride(0), y.stride(0), M, N,
+               eps, key=key, **_smem_meta(cfg, flags))  # fmt: skip
     elif cfg.split > 1:
         part, count = coop.workspace(M, 2, cfg.split, rstd.dtype, x.device)
         launch(_fwd_split_kernel, cfg.grid, *args, part, count, M, N, cfg.split, 1, eps, tail, *drop, key=key,
@@ -728,6 +814,17 @@ def _forward(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtype=Non
         launch(_fwd_looped_kernel, cfg.grid, *args, N, eps, tail, *drop, key=key, BLOCK_N=cfg.block_size,
                **flags)  # fmt: skip
     return y, h, mean, rstd
+
+
+def _smem_ok(x) -> bool:
+    """Whether x's rows can be copied into shared memory (smem.fits; config.smem_row decides)."""
+    return x.is_cuda and smem.fits(x.shape[1], x.stride(0), x.data_ptr(), x.element_size())
+
+
+def _smem_meta(cfg, flags) -> dict:
+    """Launch keywords of ``_fwd_smem_kernel`` from its config and the forward's flags."""
+    return dict(CHUNK=cfg.block_size, CHUNKS=cfg.split, IS_RMS=flags["IS_RMS"], HAS_W=flags["HAS_W"],
+                HAS_B=flags["HAS_B"], num_warps=cfg.num_warps)  # fmt: skip
 
 
 def plan_row_norm(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtype=None, grad=False):
@@ -747,8 +844,8 @@ def plan_row_norm(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtyp
     aligned. The parameter gradients have shape (N,)."""
     M, N = x.shape
     kind = "add_norm" if add else "rms_norm" if is_rms else "layer_norm"
-    cfg = config.forward(M, N, x.dtype, x.device, kind)
-    if x.device.type != "cuda" or not (cfg.fused or cfg.split > 1):
+    cfg = config.forward(M, N, x.dtype, x.device, kind, not add and _smem_ok(x))
+    if x.device.type != "cuda" or not (cfg.fused or cfg.smem or cfg.split > 1):
         return None
     if grad:
         backward = _plan_backward(M, N, h_dtype if add else x.dtype, x.device, weight, bias, is_rms,
@@ -761,6 +858,8 @@ def plan_row_norm(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtyp
     if cfg.fused:
         bound = Bound(_fwd_fused_kernel, cfg.grid, x.device.index, ROWS=cfg.rows_per_program,
                       BLOCK_N=cfg.block_size, STATS=grad, **flags)  # fmt: skip
+    elif cfg.smem:
+        bound = Bound(_fwd_smem_kernel, cfg.grid, x.device.index, **_smem_meta(cfg, flags))
     else:
         bound = Bound(_fwd_split_kernel, cfg.grid, x.device.index, **coop.split_meta(cfg), **flags)
     tail = config.eps_tail(eps, x.device)
@@ -771,6 +870,8 @@ def plan_row_norm(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtyp
                 N, N, N, N)  # fmt: skip
         if cfg.fused:
             bound(*head, M, N, eps, tail, 0, 0.0, 1.0)
+        elif cfg.smem:
+            bound(x, head[4], head[5], y, mean, rstd, N, N, M, N, eps)
         else:
             bound(*head, *coop.workspace(M, 2, cfg.split, stat, x.device), M, N, cfg.split, 1, eps, tail, 0,
                   0.0, 1.0)  # fmt: skip

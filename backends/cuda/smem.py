@@ -1,0 +1,68 @@
+"""Rows resident in shared memory: the helpers of the Gluon kernels that hold a whole row on chip.
+
+A forward that must see the whole row before it can write any of it (its statistics) either holds
+the row in registers (fused kernels, up to 32768 elements), splits it over co-resident programs that
+exchange partial statistics through global memory (coop.py), or reads it twice. A 16-bit row of up
+to ~110 K elements fits one SM's shared memory (227 KB a block on the H100), so one program can
+hold it there without spending registers: the row arrives by ``cp.async`` in CHUNKS chunk buffers
+of CHUNK elements, the statistics are summed over the buffers as each chunk lands, and the
+normalize pass reads each chunk back, hands its buffer to the next row's copy at once, then
+computes and stores. The next row's loads are therefore in flight through this row's normalize
+pass, with no barrier between programs and no re-read from L2 (docs/perf-notes.md v23).
+
+Plain Triton cannot place a tensor in shared memory, so these kernels are written in Gluon
+(``triton.experimental.gluon``), Triton's lower-level dialect. Gluon's API is still changing:
+the kernels are written against Triton 3.6 (measured there); :data:`AVAILABLE` is false where
+``gluon`` or the ``cp.async`` call they use is missing (``async_copy_global_to_shared``, renamed
+in later releases), and ``config`` then never chooses them. Gluon kernels do not run under
+Triton's interpreter: ``config`` chooses them for CUDA tensors only, so CI's interpreter suite
+never launches them and the GPU suite (``pytest -m cuda``) is what tests them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # not at all on triton-ascend and Triton < 3.4; a renamed API in later releases
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+
+    # global -> shared cp.async: async_copy_global_to_shared in Triton 3.6, async_load from 3.7 on
+    # (the old name stays as a stub that raises); same arguments as used here
+    async_copy = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
+    AVAILABLE = True
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    gluon = gl = cp = async_copy = None
+    AVAILABLE = False
+
+
+def jit(fn):
+    """``gluon.jit`` where the kernels can run; elsewhere the plain function (never launched:
+    ``config`` does not choose these kernels when :data:`AVAILABLE` is false)."""
+    return gluon.jit(fn) if AVAILABLE else fn
+
+
+@jit
+def copy_row(buf, X, row, M, N, stride_x, offs, CHUNK: gl.constexpr, CHUNKS: gl.constexpr):
+    """Start the copy of row ``row`` of a (M, N) tensor into ``buf`` (CHUNKS x CHUNK), one
+    ``cp.async`` group per chunk, in order (so chunk c has landed once CHUNKS - 1 - c groups are
+    pending). Nothing is copied for a row past the last (zeros land instead)."""
+    for c in gl.static_range(CHUNKS):
+        cols = c * CHUNK + offs
+        async_copy(buf.index(c), X + row.to(gl.int64) * stride_x + cols,
+                                       mask=(cols < N) & (row < M))  # fmt: skip
+        cp.commit_group()
+
+
+def fits(N: int, stride: int, ptr: int, itemsize: int) -> bool:
+    """Whether rows of this layout can be copied by 16-byte ``cp.async``: Triton vectorizes the copy
+    only where it knows the row starts and N to be multiples of 16 elements (its divisibility
+    specialization) and the base address 16-byte aligned; a narrower copy does not compile."""
+    return N % 16 == 0 and stride % 16 == 0 and ptr % 16 == 0 and itemsize == 2
+
+
+def smem_per_block(device: torch.device) -> int:
+    """Shared memory one program may use on ``device`` (opt-in maximum), 0 where unknown."""
+    props = torch.cuda.get_device_properties(device)
+    return int(getattr(props, "shared_memory_per_block_optin", 0))

@@ -818,7 +818,7 @@ def _forward(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtype=Non
 
 def _smem_ok(x) -> bool:
     """Whether x's rows can be copied into shared memory (smem.fits; config.smem_row decides)."""
-    return x.is_cuda and smem.fits(x.shape[1], x.stride(0), x.data_ptr(), x.element_size())
+    return smem.fits(x.shape[1], x.stride(0), x.data_ptr(), x.element_size())
 
 
 def _smem_meta(cfg, flags) -> dict:

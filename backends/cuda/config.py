@@ -294,7 +294,7 @@ def forward(M: int, N: int, dtype: torch.dtype, device: torch.device, kind: str 
 
 # Rows resident in shared memory (smem.py), keyed by op kind: (chunk elements, num_warps). Only
 # for the kinds and dtypes measured faster than split rows: 16-bit LayerNorm / RMSNorm rows longer
-# than the fused limit that fit one program's shared memory (N <= ~110 K on the H100). H100, GPU
+# than the fused limit that fit one program's shared memory (N <= 114688 on the H100). H100, GPU
 # time of the kernel alone, bf16, M * N = 2^27, against the split-row forward in the same process
 # (.dbg prototype, perf-notes v23): N = 65536 RMSNorm 0.93 (chunk 16384 x 16 warps; 8192 x 16:
 # 0.91; 32768 x 32: 0.92) vs 0.86 split, LayerNorm 0.86-0.87 vs 0.73. At N = 32768 the fused

@@ -37,7 +37,7 @@ from normkit.backends.common import (
 from normkit.backends.cuda import config, coop, reduce, smem
 from normkit.backends.cuda.launch import Bound, int_spec, launch, tensor_spec
 from normkit.backends.cuda.coop import arrive, load_chunk, wait
-from normkit.backends.cuda.smem import async_copy, cp, gl
+from normkit.backends.cuda.smem import cp, gl
 from normkit.backends.row_norm_contract import row_norm_contract
 
 
@@ -401,9 +401,7 @@ def _fwd_smem_kernel(
                 if HAS_B:
                     b_next = gl.load(B + cols + CHUNK, mask=cols + CHUNK < N, other=0.0)
             # the buffer is free once read: the next row's chunk starts landing during this store
-            async_copy(buf.index(c), X + nxt.to(gl.int64) * stride_x + cols,
-                                           mask=mask & (nxt < M))  # fmt: skip
-            cp.commit_group()
+            smem.copy_chunk(buf.index(c), X, nxt, M, N, stride_x, cols)
             y = (x.to(gl.float32) - mean) * rstd
             if HAS_W:
                 y = y * w.to(gl.float32)
@@ -818,7 +816,7 @@ def _forward(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtype=Non
 
 def _smem_ok(x) -> bool:
     """Whether x's rows can be copied into shared memory (smem.fits; config.smem_row decides)."""
-    return smem.fits(x.shape[1], x.stride(0), x.data_ptr(), x.element_size())
+    return smem.fits(x.shape[1], x.stride(0), x.data_ptr())
 
 
 def _smem_meta(cfg, flags) -> dict:
@@ -885,7 +883,7 @@ def plan_row_norm(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtyp
         return y, h, mean, rstd
 
     def run(x, r, w, b):
-        if not cfg.fused:  # the split kernels write the statistics (the fused one compiles them out)
+        if not cfg.fused:  # the split and shared-memory kernels write the statistics (fused: compiled out)
             y, h, _, _ = forward(x, r, w, b)
             return (y, h) if add else y
         y = torch.empty_like(x)

@@ -44,22 +44,27 @@ def jit(fn):
 
 
 @jit
+def copy_chunk(dst, X, row, M, N, stride_x, cols):
+    """Start the copy of columns ``cols`` of row ``row`` of a (M, N) tensor into the buffer ``dst``
+    as one ``cp.async`` group. Columns past N and rows past the last copy nothing (zeros land)."""
+    async_copy(dst, X + row.to(gl.int64) * stride_x + cols, mask=(cols < N) & (row < M))
+    cp.commit_group()
+
+
+@jit
 def copy_row(buf, X, row, M, N, stride_x, offs, CHUNK: gl.constexpr, CHUNKS: gl.constexpr):
-    """Start the copy of row ``row`` of a (M, N) tensor into ``buf`` (CHUNKS x CHUNK), one
-    ``cp.async`` group per chunk, in order (so chunk c has landed once CHUNKS - 1 - c groups are
-    pending). Nothing is copied for a row past the last (zeros land instead)."""
+    """Start the copy of row ``row`` into ``buf`` (CHUNKS x CHUNK), one group per chunk, in order
+    (so chunk c has landed once CHUNKS - 1 - c groups are pending)."""
     for c in gl.static_range(CHUNKS):
-        cols = c * CHUNK + offs
-        async_copy(buf.index(c), X + row.to(gl.int64) * stride_x + cols,
-                                       mask=(cols < N) & (row < M))  # fmt: skip
-        cp.commit_group()
+        copy_chunk(buf.index(c), X, row, M, N, stride_x, c * CHUNK + offs)
 
 
-def fits(N: int, stride: int, ptr: int, itemsize: int) -> bool:
+def fits(N: int, stride: int, ptr: int) -> bool:
     """Whether rows of this layout can be copied by 16-byte ``cp.async``: Triton vectorizes the copy
     only where it knows the row starts and N to be multiples of 16 elements (its divisibility
-    specialization) and the base address 16-byte aligned; a narrower copy does not compile."""
-    return N % 16 == 0 and stride % 16 == 0 and ptr % 16 == 0 and itemsize == 2
+    specialization) and the base address 16-byte aligned; a narrower copy does not compile. (Which
+    dtypes take the path is ``config.smem_row``'s choice.)"""
+    return N % 16 == 0 and stride % 16 == 0 and ptr % 16 == 0
 
 
 def smem_per_block(device: torch.device) -> int:

@@ -188,8 +188,10 @@ def test_more_than_2_31_elements_forward(run_on, backend):
 
 # Rows resident in shared memory (CUDA, 16-bit, N a multiple of 16 over the fused limit, up to what
 # one program's shared memory holds; backends/cuda/smem.py): a masked last buffer (40000), more rows
-# than programs (300), two full buffers' worth of rows in flight (65536), the largest row (114688).
-SMEM_SHAPES = [(1, 40000), (300, 40000), (3, 65536), (140, 114688)]
+# than programs (300) and so rows after next landing in the spare buffer, rows of full buffers
+# (65536), LayerNorm's two-pass statistics with (98304) and without (114688, the largest row) the
+# spare buffer (on the H100).
+SMEM_SHAPES = [(1, 40000), (300, 40000), (3, 65536), (2, 98304), (140, 114688)]
 
 
 @pytest.mark.cuda
@@ -200,7 +202,7 @@ SMEM_SHAPES = [(1, 40000), (300, 40000), (3, 65536), (140, 114688)]
 def test_rows_in_shared_memory(run_on, shape, dtype, op, affine):
     """The shared-memory forward (chosen for these shapes, asserted) matches fp64, with and without
     weight / bias; misaligned rows of the same shape take the split forward and match too."""
-    from normkit.backends.cuda import config, layer_norm
+    from normkit.backends.cuda import config, smem
 
     with run_on(Executor("cuda", "cuda"), dtype):
         device = torch.device("cuda")
@@ -214,7 +216,27 @@ def test_rows_in_shared_memory(run_on, shape, dtype, op, affine):
             if inputs[key] is not None:
                 inputs[key] = inputs[key][8:]
         inputs["normalized_shape"] = (shape[1],)
-        assert not layer_norm._smem_ok(inputs["x"])
+        assert not smem.rows_fit(inputs["x"])
         out = public_results(op, eps=1e-5, **inputs)
         ref = reference_results(op, eps=1e-5, **inputs)
         assert_close(out["y"], ref["y"], dtype, "fwd", "y", rows=shape[0])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", [(300, 40000), (140, 114688)], ids=str)
+def test_shared_memory_variance_survives_large_mean(run_on, shape):
+    """fp16 x = 1000 + randn through the shared-memory forward (on the H100 with the spare buffer at
+    40000, without at 114688): rstd matches fp64 (E[x^2] - E[x]^2 in fp32 would be off by ~6%)."""
+    from normkit.backends.cuda import config
+
+    with run_on(Executor("cuda", "cuda"), torch.float16):
+        device = torch.device("cuda")
+        assert config.forward(*shape, torch.float16, device, "layer_norm", True).smem
+        inputs = make_inputs("layer_norm", shape, 1, torch.float16, device, mean=1e3, seed=5)
+        x = inputs["x"]
+        _, _, rstd = normkit.backend_for(x.device).layer_norm_fwd(x, None, None, 1e-5)
+        expected = torch.rsqrt(x.double().var(dim=-1, unbiased=False) + 1e-5)
+        torch.testing.assert_close(rstd.double(), expected, rtol=1e-5, atol=0)
+        out = public_results("layer_norm", eps=1e-5, **inputs)
+        ref = reference_results("layer_norm", eps=1e-5, **inputs)
+        assert_close(out["y"], ref["y"], torch.float16, "fwd", "y", rows=shape[0])

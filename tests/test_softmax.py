@@ -7,7 +7,7 @@ import torch
 from conftest import executor_params
 
 import normkit
-from normkit.testing import SOFTMAX_OPS, check_softmax_case
+from normkit.testing import SOFTMAX_OPS, Executor, assert_close, check_softmax_case, softmax_reference
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 DEVICE_SHAPES = [(m, n) for m in (1, 3, 128, 1151) for n in (1, 7, 1023, 1024, 1025, 4096, 20001, 40999)]
@@ -96,3 +96,37 @@ def test_softmax_empty_like_torch(op, shape):
     assert y.shape == expected.shape
     y.sum().backward()
     assert x.grad.shape == x.shape
+
+
+# Rows resident in shared memory (CUDA, 16-bit, N a multiple of 16 over the fused limit, up to what
+# one program's shared memory holds): as test_layer_norm.SMEM_SHAPES.
+SMEM_SHAPES = [(1, 40000), (300, 40000), (3, 65536), (140, 114688)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("op", SOFTMAX_OPS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", SMEM_SHAPES, ids=str)
+def test_rows_in_shared_memory(run_on, shape, dtype, op):
+    """The shared-memory forward (chosen for these shapes, asserted) matches fp64: random rows; rows
+    with -inf entries and an all -inf row (NaN, as torch); rows whose first buffers hold only -inf
+    (the running max stays -inf over whole buffers); misaligned rows take split rows and match."""
+    from normkit.backends.cuda import config, smem
+
+    with run_on(Executor("cuda", "cuda"), dtype):
+        device = torch.device("cuda")
+        assert config.softmax(*shape, dtype, device, True).smem
+        seed = zlib.crc32(f"{shape}{op}{dtype}".encode())
+        check_softmax_case(op, shape, -1, dtype, device, seed=seed)
+        check_softmax_case(op, shape, -1, dtype, device, seed=seed + 1, neg_inf=True)
+        g = torch.Generator().manual_seed(seed + 2)
+        x = (torch.randn(shape, generator=g, dtype=torch.float64) * 3).to(dtype)
+        x[:, : shape[1] // 2] = float("-inf")  # at least two buffers of -inf, then finite values
+        x = x.to(device)
+        expected, _ = softmax_reference(op, x, x, -1)
+        assert_close(getattr(normkit, op)(x, -1), expected, dtype, "fwd", "y")
+        wide = torch.randn(shape[0], shape[1] + 8, generator=g, dtype=torch.float64).to(dtype).to(device)
+        x = wide[:, 8:]  # row stride N + 8: not a multiple of 16, no cp.async
+        assert not smem.rows_fit(x)
+        expected, _ = softmax_reference(op, x, x, -1)
+        assert_close(getattr(normkit, op)(x, -1), expected, dtype, "fwd", "y")

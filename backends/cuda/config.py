@@ -198,7 +198,7 @@ class LaunchConfig:
     split: int = 1  # programs sharing one row (split rows, coop.py); grid = row groups x split
     maxnreg: int = MAX_REGISTERS  # register cap per thread the kernel is compiled with (split rows)
     prefetch: bool = False  # backward: load the next row tile (fused; split: the next row's chunk,
-    # and publish its partials) during this one
+    # and publish its partials) during this one; shared-memory rows: one spare buffer
     smem: bool = False  # forward: rows resident in shared memory (smem.py), split chunks = buffers
 
 
@@ -285,46 +285,61 @@ def forward(M: int, N: int, dtype: torch.dtype, device: torch.device, kind: str 
     fused (rows in registers), rows resident in shared memory (``smem_ok``: the caller checked
     ``smem.fits``; see :func:`smem_row`), split rows or looped (one program per row, two reads of x)."""
     cfg = _row_sweep(M, N, dtype, FUSED_MAX_N_FWD)
-    if not cfg.fused:
-        cfg = (smem_ok and smem_row(M, N, dtype, device, kind)) or cfg
+    cfg = (smem_ok and smem_row(M, N, dtype, device, kind)) or cfg
     if not (cfg.fused or cfg.smem):
         cfg = split_row(M, N, dtype, device, *SPLIT_FWD[dtype.itemsize >= 4, kind]) or cfg
     return cfg
 
 
-# Rows resident in shared memory (smem.py), keyed by op kind: (chunk elements, num_warps). Only
-# for the kinds and dtypes measured faster than split rows: 16-bit LayerNorm / RMSNorm rows longer
-# than the fused limit that fit one program's shared memory (N <= 114688 on the H100). H100, GPU
-# time of the kernel alone, bf16, M * N = 2^27, against the split-row forward in the same process
-# (.dbg prototype, perf-notes v23): N = 65536 RMSNorm 0.93 (chunk 16384 x 16 warps; 8192 x 16:
-# 0.91; 32768 x 32: 0.92) vs 0.86 split, LayerNorm 0.86-0.87 vs 0.73. At N = 32768 the fused
-# kernels stay faster (0.95-0.98 vs 0.93-0.95), and in fp32 (rows of 32768: 0.93-0.97 vs 0.96-1.00).
-SMEM_FWD = {"layer_norm": (16384, 16), "rms_norm": (16384, 16)}
+# Rows resident in shared memory (smem.py), keyed by op kind: (chunk elements, num_warps, shortest
+# row). Only for the kinds, dtypes and lengths measured faster than the alternatives: 16-bit rows
+# longer than the fused limit that fit one program's shared memory (N <= 114688 on the H100). H100,
+# GPU time of the kernel alone, bf16, M * N = 2^27, one process (perf-notes v24; v23 for fp32 and
+# the first chunk sweep):
+# - rms_norm: 8192-element chunks read 0.93-0.95 at N = 40000-114688 (16384: 0.91-0.94; split rows
+#   0.86-0.87); at 32768 the fused kernel stays faster (0.98 vs 0.955).
+# - layer_norm: 16384 (0.89 at 40000-65536 with ONE_PASS, 0.74-0.75 two-pass at 98304-114688;
+#   8192: 0.70-0.86; split rows 0.68-0.73); fused at 32768 (0.95 vs 0.92).
+# - softmax / log_softmax: 8192 (0.87-0.91 / 0.89-0.92 at 40000-65536, 0.80-0.85 at 98304-114688;
+#   16384: 0.83 / 0.92 at 40000, level elsewhere; split rows 0.76-0.84); fused at 32768 (0.94-0.95
+#   vs 0.91-0.935).
+# - fp32: rows of 32768 read 0.93-0.97 vs the fused kernels' 0.96-1.00.
+SMEM_FWD = {"layer_norm": (16384, 16, 32769), "rms_norm": (8192, 16, 32769), "softmax": (8192, 16, 32769)}
+# LayerNorm's statistics in one read of the buffers (Welford's update per column slot, two more
+# register arrays) up to this many buffers a row, else two reads. H100 bf16, 16384-element chunks:
+# one read 0.89 vs two 0.81-0.85 at N = 40000-65536; at 98304-114688 the one-read kernel spills
+# registers (ptxas) and reads 0.66-0.69 vs 0.74-0.75 (perf-notes v24).
+SMEM_ONE_PASS_MAX_CHUNKS = 4
 SMEM_RESERVE = 1024  # bytes of a program's shared memory kept for the kernel's reductions
 
 
 def smem_row(M: int, N: int, dtype: torch.dtype, device: torch.device, kind: str) -> LaunchConfig | None:
     """Rows resident in shared memory for ``kind`` (:data:`SMEM_FWD`), or None: not a CUDA device
-    of compute capability 8.0+ (``cp.async``), Gluon unavailable (smem.AVAILABLE), not 16-bit, or a
-    row larger than one program's shared memory. One program per SM (the row's buffers fill most
-    of it), each walking rows pid, pid + grid, ...; ``split`` = buffers a row."""
+    of compute capability 8.0+ (``cp.async``), Gluon unavailable (smem.AVAILABLE), not 16-bit, a
+    row shorter than the kind's shortest, or larger than one program's shared memory. One program
+    per SM (the row's buffers fill most of it), each walking rows pid, pid + grid, ...; ``split`` =
+    buffers a row, ``prefetch``: one spare buffer where it fits (the row after next starts landing
+    while this row's last chunks do; smem.start)."""
     if device.type != "cuda" or kind not in SMEM_FWD or dtype.itemsize != 2 or not smem.AVAILABLE:
         return None
-    if torch.cuda.get_device_capability(device) < (8, 0):
+    chunk, warps, shortest = SMEM_FWD[kind]
+    if N < shortest or torch.cuda.get_device_capability(device) < (8, 0):
         return None
-    chunk, warps = SMEM_FWD[kind]
     chunks = triton.cdiv(N, chunk)
-    if chunks * chunk * dtype.itemsize + SMEM_RESERVE > smem.smem_per_block(device):
+    room = smem.smem_per_block(device) - SMEM_RESERVE
+    if chunks * chunk * dtype.itemsize > room:
         return None
-    return LaunchConfig(chunk, warps, 1, (min(M, sm_count(device)),), False, chunks, smem=True)
+    spare = (chunks + 1) * chunk * dtype.itemsize <= room
+    grid = (min(M, sm_count(device)),)
+    return LaunchConfig(chunk, warps, 1, grid, False, chunks, prefetch=spare, smem=True)
 
 
 @_memoized
-def softmax(M: int, N: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig:
+def softmax(M: int, N: int, dtype: torch.dtype, device: torch.device, smem_ok: bool = False) -> LaunchConfig:
     """Softmax / log_softmax forward: the row-norm forward's tiling, with its own split-row
     setting (``SPLIT_FWD[..., "softmax"]``, measured; perf-notes v16). The fused limit is the row
     norms' (a row of x in registers), not measured separately for softmax."""
-    return forward(M, N, dtype, device, "softmax")
+    return forward(M, N, dtype, device, "softmax", smem_ok)
 
 
 @_memoized

@@ -347,61 +347,87 @@ def _fwd_smem_kernel(
     stride_x,
     stride_y,
     M,
-    N,  # a multiple of 16, at most CHUNKS * CHUNK
+    N,  # a multiple of 16 in ((CHUNKS - 1) * CHUNK, CHUNKS * CHUNK]
     eps,
     CHUNK: gl.constexpr,  # columns per shared-memory buffer
-    CHUNKS: gl.constexpr,  # buffers: the whole row
+    CHUNKS: gl.constexpr,  # buffers a row
+    SPARE: gl.constexpr,  # extra buffers (0 or 1): the row after next starts landing a chunk early
+    ONE_PASS: gl.constexpr,  # LayerNorm: Welford's update as the chunks land, else a second pass
     IS_RMS: gl.constexpr,
     HAS_W: gl.constexpr,
     HAS_B: gl.constexpr,
 ):
-    """Persistent grid, one program per SM; each program's rows pass through its shared memory
-    (smem.py): statistics from the buffers as the chunks land (LayerNorm: the mean, then the squared
-    deviations about it, both from shared memory), then per chunk: read it back, start the next
-    row's copy into its buffer, normalize, store. W / B of the next chunk load one chunk ahead."""
+    """Persistent grid, one program per SM; each program's rows stream through its shared memory
+    (smem.py): statistics from the buffers as the chunks land, then per chunk: read it back, start
+    the stream's next copy into its buffer, normalize, store. W / B load one chunk ahead.
+
+    LayerNorm's statistics: with ONE_PASS, each thread's running mean and squared deviations over its
+    columns of the chunks (Welford's update), combined over the row at the end: one read of each
+    buffer, but two more arrays of registers; otherwise the mean, then the squared deviations about
+    it from a second read of the buffers (config.smem_row chooses)."""
     NW: gl.constexpr = gl.num_warps()
     VEC: gl.constexpr = 8  # 16 bytes of 16-bit values per thread and copy
     layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [NW], [0])
     unswizzled: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # each thread reads what it copied
-    buf = gl.allocate_shared_memory(X.dtype.element_ty, [CHUNKS, CHUNK], unswizzled)
+    buf = gl.allocate_shared_memory(X.dtype.element_ty, [CHUNKS + SPARE, CHUNK], unswizzled)
     offs = gl.arange(0, CHUNK, layout=layout)
     nprog = gl.num_programs(0)
     inv_n = 1.0 / N.to(gl.float32)
-    smem.copy_row(buf, X, gl.program_id(0), M, N, stride_x, offs, CHUNK, CHUNKS)
+    smem.start(buf, X, M, N, stride_x, offs, CHUNK, CHUNKS, SPARE)
+    base = gl.program_id(0) * 0  # buffer of the row's chunk 0
     for row in range(gl.program_id(0), M, nprog):
-        acc = gl.zeros([CHUNK], gl.float32, layout)
-        for c in gl.static_range(CHUNKS):
-            cp.wait_group(CHUNKS - 1 - c)  # chunk c has landed (masked-off columns are zeros)
-            x = buf.index(c).load(layout).to(gl.float32)
-            acc += x * x if IS_RMS else x
+        if IS_RMS or not ONE_PASS:
+            acc = gl.zeros([CHUNK], gl.float32, layout)
+            for c in gl.static_range(CHUNKS):
+                x = smem.landed(buf, base, c, CHUNKS, SPARE).load(layout).to(gl.float32)
+                acc += x * x if IS_RMS else x  # columns past N landed as zeros
         if IS_RMS:
             mean = 0.0
             rstd = gl.rsqrt(gl.sum(acc, axis=0) * inv_n + eps)
+        elif ONE_PASS:
+            # per column slot of a chunk: the mean and squared deviations of its values so far (the
+            # first CHUNKS - 1 chunks are full, the last holds N - (CHUNKS - 1) * CHUNK columns)
+            m = gl.zeros([CHUNK], gl.float32, layout)
+            m2 = gl.zeros([CHUNK], gl.float32, layout)
+            for c in gl.static_range(CHUNKS):
+                x = smem.landed(buf, base, c, CHUNKS, SPARE).load(layout).to(gl.float32)
+                d = x - m
+                if c + 1 == CHUNKS:
+                    d = gl.where(c * CHUNK + offs < N, d, 0.0)
+                m += d * (1.0 / (c + 1))
+                m2 += d * (x - m)
+            count = gl.where((CHUNKS - 1) * CHUNK + offs < N, CHUNKS, CHUNKS - 1).to(gl.float32)
+            mean = gl.sum(count * m, axis=0) * inv_n
+            dm = m - mean
+            rstd = gl.rsqrt(gl.sum(m2 + count * dm * dm, axis=0) * inv_n + eps)
         else:
             mean = gl.sum(acc, axis=0) * inv_n
             acc = gl.zeros([CHUNK], gl.float32, layout)
             for c in gl.static_range(CHUNKS):
-                d = gl.where(c * CHUNK + offs < N, buf.index(c).load(layout).to(gl.float32) - mean, 0.0)
+                x = smem.slot(buf, base, c, CHUNKS, SPARE).load(layout).to(gl.float32)
+                d = gl.where(c * CHUNK + offs < N, x - mean, 0.0)
                 acc += d * d
             rstd = gl.rsqrt(gl.sum(acc, axis=0) * inv_n + eps)
+        if not IS_RMS:
             gl.store(Mean + row, mean)
         gl.store(Rstd + row, rstd)
-        nxt = row + nprog
         if HAS_W:
             w = gl.load(W + offs, mask=offs < N, other=0.0)
         if HAS_B:
             b = gl.load(B + offs, mask=offs < N, other=0.0)
+        gl.store(Rstd + row, rstd)
         for c in gl.static_range(CHUNKS):
             cols = c * CHUNK + offs
             mask = cols < N
-            x = buf.index(c).load(layout)
+            dst = smem.slot(buf, base, c, CHUNKS, SPARE)
+            x = dst.load(layout)
             if c + 1 < CHUNKS:
                 if HAS_W:
                     w_next = gl.load(W + cols + CHUNK, mask=cols + CHUNK < N, other=0.0)
                 if HAS_B:
                     b_next = gl.load(B + cols + CHUNK, mask=cols + CHUNK < N, other=0.0)
-            # the buffer is free once read: the next row's chunk starts landing during this store
-            smem.copy_chunk(buf.index(c), X, nxt, M, N, stride_x, cols)
+            # the buffer is free once read: the stream's next chunk starts landing during this store
+            smem.refill(dst, X, row, M, N, stride_x, offs, c, CHUNK, CHUNKS, SPARE)
             y = (x.to(gl.float32) - mean) * rstd
             if HAS_W:
                 y = y * w.to(gl.float32)
@@ -413,6 +439,7 @@ def _fwd_smem_kernel(
                     w = w_next
                 if HAS_B:
                     b = b_next
+        base = smem.next_base(base, CHUNKS, SPARE)
     cp.wait_group(0)
 
 
@@ -777,7 +804,7 @@ def _forward(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtype=Non
     """-> (y, h or None, mean, rstd); h = dropout(x) + residual is formed and normalized if add."""
     M, N = x.shape
     kind = "add_norm" if add else "rms_norm" if is_rms else "layer_norm"
-    cfg = config.forward(M, N, x.dtype, x.device, kind, _smem_ok(x))
+    cfg = config.forward(M, N, x.dtype, x.device, kind, smem.rows_fit(x))
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     h = torch.empty((M, N), dtype=h_dtype, device=x.device) if add else None
     rstd = torch.empty(M, dtype=config.acc_dtype(x.dtype), device=x.device)
@@ -814,15 +841,11 @@ def _forward(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtype=Non
     return y, h, mean, rstd
 
 
-def _smem_ok(x) -> bool:
-    """Whether x's rows can be copied into shared memory (smem.fits; config.smem_row decides)."""
-    return smem.fits(x.shape[1], x.stride(0), x.data_ptr())
-
-
 def _smem_meta(cfg, flags) -> dict:
     """Launch keywords of ``_fwd_smem_kernel`` from its config and the forward's flags."""
-    return dict(CHUNK=cfg.block_size, CHUNKS=cfg.split, IS_RMS=flags["IS_RMS"], HAS_W=flags["HAS_W"],
-                HAS_B=flags["HAS_B"], num_warps=cfg.num_warps)  # fmt: skip
+    one_pass = cfg.split <= config.SMEM_ONE_PASS_MAX_CHUNKS
+    return dict(CHUNK=cfg.block_size, CHUNKS=cfg.split, SPARE=int(cfg.prefetch), ONE_PASS=one_pass,
+                IS_RMS=flags["IS_RMS"], HAS_W=flags["HAS_W"], HAS_B=flags["HAS_B"], num_warps=cfg.num_warps)
 
 
 def plan_row_norm(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtype=None, grad=False):
@@ -842,7 +865,7 @@ def plan_row_norm(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtyp
     aligned. The parameter gradients have shape (N,)."""
     M, N = x.shape
     kind = "add_norm" if add else "rms_norm" if is_rms else "layer_norm"
-    cfg = config.forward(M, N, x.dtype, x.device, kind, not add and _smem_ok(x))
+    cfg = config.forward(M, N, x.dtype, x.device, kind, not add and smem.rows_fit(x))
     if x.device.type != "cuda" or not (cfg.fused or cfg.smem or cfg.split > 1):
         return None
     if grad:

@@ -52,11 +52,53 @@ def copy_chunk(dst, X, row, M, N, stride_x, cols):
 
 
 @jit
-def copy_row(buf, X, row, M, N, stride_x, offs, CHUNK: gl.constexpr, CHUNKS: gl.constexpr):
-    """Start the copy of row ``row`` into ``buf`` (CHUNKS x CHUNK), one group per chunk, in order
-    (so chunk c has landed once CHUNKS - 1 - c groups are pending)."""
+def start(buf, X, M, N, stride_x, offs, CHUNK: gl.constexpr, CHUNKS: gl.constexpr, SPARE: gl.constexpr):
+    """Start this program's stream of row chunks (rows pid, pid + programs, ...; chunk g of the
+    stream is chunk g % CHUNKS of the program's row g // CHUNKS, in buffer g % (CHUNKS + SPARE)):
+    its first row into buffers 0 .. CHUNKS - 1, then, with a spare buffer, its second row's first
+    chunk. One ``cp.async`` group per chunk, in stream order (see :func:`landed`)."""
+    row = gl.program_id(0)
     for c in gl.static_range(CHUNKS):
         copy_chunk(buf.index(c), X, row, M, N, stride_x, c * CHUNK + offs)
+    for c in gl.static_range(SPARE):
+        copy_chunk(buf.index(CHUNKS + c), X, row + gl.num_programs(0), M, N, stride_x, c * CHUNK + offs)
+
+
+@jit
+def slot(buf, base, c: gl.constexpr, CHUNKS: gl.constexpr, SPARE: gl.constexpr):
+    """The buffer holding chunk ``c`` of the current row, whose chunk 0 is in buffer ``base``."""
+    if SPARE == 0:
+        return buf.index(c)
+    else:
+        return buf.index((base + c) % (CHUNKS + SPARE))
+
+
+@jit
+def landed(buf, base, c: gl.constexpr, CHUNKS: gl.constexpr, SPARE: gl.constexpr):
+    """Wait until chunk ``c`` of the current row has landed; its buffer. Every chunk of the rows
+    before it has been read and refilled (:func:`refill`): the CHUNKS + SPARE - 1 - c groups
+    committed after chunk c may still be pending."""
+    cp.wait_group(CHUNKS + SPARE - 1 - c)
+    return slot(buf, base, c, CHUNKS, SPARE)
+
+
+@jit
+def refill(dst, X, row, M, N, stride_x, offs, c: gl.constexpr, CHUNK: gl.constexpr, CHUNKS: gl.constexpr,
+           SPARE: gl.constexpr):  # fmt: skip
+    """Chunk ``c`` of ``row`` has been read from its buffer ``dst``: start the copy of the chunk
+    CHUNKS + SPARE later in the stream into it (of the next row, or with a spare buffer, for the
+    row's last chunks, of the row after it)."""
+    nprog = gl.num_programs(0)
+    if c + SPARE < CHUNKS:
+        copy_chunk(dst, X, row + nprog, M, N, stride_x, (c + SPARE) * CHUNK + offs)
+    else:
+        copy_chunk(dst, X, row + 2 * nprog, M, N, stride_x, (c + SPARE - CHUNKS) * CHUNK + offs)
+
+
+@jit
+def next_base(base, CHUNKS: gl.constexpr, SPARE: gl.constexpr):
+    """The buffer of the next row's chunk 0, after the row whose chunk 0 is in ``base``."""
+    return (base + CHUNKS) % (CHUNKS + SPARE)
 
 
 def fits(N: int, stride: int, ptr: int) -> bool:
@@ -65,6 +107,11 @@ def fits(N: int, stride: int, ptr: int) -> bool:
     specialization) and the base address 16-byte aligned; a narrower copy does not compile. (Which
     dtypes take the path is ``config.smem_row``'s choice.)"""
     return N % 16 == 0 and stride % 16 == 0 and ptr % 16 == 0
+
+
+def rows_fit(x: torch.Tensor) -> bool:
+    """:func:`fits` for the rows of a 2-D tensor ``x``."""
+    return fits(x.shape[1], x.stride(0), x.data_ptr())
 
 
 def smem_per_block(device: torch.device) -> int:

@@ -13,9 +13,10 @@ import triton
 import triton.language as tl
 
 from normkit.backends.common import online_max_sum
-from normkit.backends.cuda import config, coop
+from normkit.backends.cuda import config, coop, smem
 from normkit.backends.cuda.launch import Bound, launch, tensor_spec
 from normkit.backends.cuda.coop import arrive, load_chunk, wait
+from normkit.backends.cuda.smem import cp, gl
 
 
 @triton.jit
@@ -142,6 +143,63 @@ def _fwd_split_kernel(
         else:
             y = tl.exp(x - m) / s
         tl.store(Y + r64 * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@smem.jit
+def _fwd_smem_kernel(
+    X,  # (M, N) 16-bit input rows, 16-byte aligned; row stride stride_x (a multiple of 16)
+    Y,  # (M, N) out; row stride stride_y
+    stride_x,
+    stride_y,
+    M,
+    N,  # a multiple of 16 in ((CHUNKS - 1) * CHUNK, CHUNKS * CHUNK]
+    CHUNK: gl.constexpr,  # columns per shared-memory buffer
+    CHUNKS: gl.constexpr,  # buffers a row
+    SPARE: gl.constexpr,  # extra buffers (0 or 1): the row after next starts landing a chunk early
+    LOG: gl.constexpr,
+):
+    """Persistent grid, one program per SM; rows stream through shared memory as in the row norms'
+    shared-memory forward (layer_norm.py, smem.py): the max and sum of exp(x - max) from the buffers
+    as the chunks land (per chunk: its max, then the running sum rescaled to it, one exp an
+    element), then per chunk: read it back, start the stream's next copy into its buffer, store."""
+    NW: gl.constexpr = gl.num_warps()
+    VEC: gl.constexpr = 8  # 16 bytes of 16-bit values per thread and copy
+    layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [NW], [0])
+    unswizzled: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # each thread reads what it copied
+    buf = gl.allocate_shared_memory(X.dtype.element_ty, [CHUNKS + SPARE, CHUNK], unswizzled)
+    offs = gl.arange(0, CHUNK, layout=layout)
+    nprog = gl.num_programs(0)
+    smem.start(buf, X, M, N, stride_x, offs, CHUNK, CHUNKS, SPARE)
+    base = gl.program_id(0) * 0  # buffer of the row's chunk 0
+    for row in range(gl.program_id(0), M, nprog):
+        m = float("-inf")
+        acc = gl.zeros([CHUNK], gl.float32, layout)  # per column slot: sum of exp(x - m)
+        for c in gl.static_range(CHUNKS):
+            x = smem.landed(buf, base, c, CHUNKS, SPARE).load(layout).to(gl.float32)
+            if c + 1 == CHUNKS:
+                x = gl.where(c * CHUNK + offs < N, x, float("-inf"))
+            m_new = gl.maximum(m, gl.max(x, axis=0))
+            # while every value seen is -inf, shift by 0: no -inf - -inf (NaN) enters the sum
+            shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+            acc = acc * gl.exp(m - shift) + gl.exp(x - shift)
+            m = m_new
+        s = gl.sum(acc, axis=0)  # a row of all -inf: m = -inf, s = 0, NaN out, as in torch
+        if LOG:
+            m = m + gl.log(s)
+        else:
+            inv_s = 1.0 / s
+        for c in gl.static_range(CHUNKS):
+            cols = c * CHUNK + offs
+            dst = smem.slot(buf, base, c, CHUNKS, SPARE)
+            x = dst.load(layout)
+            smem.refill(dst, X, row, M, N, stride_x, offs, c, CHUNK, CHUNKS, SPARE)
+            if LOG:
+                y = x.to(gl.float32) - m
+            else:
+                y = gl.exp(x.to(gl.float32) - m) * inv_s
+            gl.store(Y + row.to(gl.int64) * stride_y + cols, y.to(Y.dtype.element_ty), mask=cols < N)
+        base = smem.next_base(base, CHUNKS, SPARE)
+    cp.wait_group(0)
 
 
 @triton.jit
@@ -279,13 +337,16 @@ def _bwd_split_kernel(
 def softmax_fwd(x, log):
     """x: (M, N) rows -> softmax (log_softmax when ``log``) of each row, in x.dtype."""
     M, N = x.shape
-    cfg = config.softmax(M, N, x.dtype, x.device)
+    cfg = config.softmax(M, N, x.dtype, x.device, smem.rows_fit(x))
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     flags = dict(LOG=log, ACC=config.tl_acc_dtype(x.dtype), num_warps=cfg.num_warps)
     key = (M, N, x.stride(0), tensor_spec(x), log)  # decides the specialization (launch.py's key=)
     if cfg.fused:
         launch(_fwd_fused_kernel, cfg.grid, x, y, x.stride(0), y.stride(0), M, N, key=key,
                                     ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size, **flags)  # fmt: skip
+    elif cfg.smem:
+        launch(_fwd_smem_kernel, cfg.grid, x, y, x.stride(0), y.stride(0), M, N, key=key,
+               **_smem_meta(cfg, log))
     elif cfg.split > 1:
         part, count = coop.workspace(M, 2, cfg.split, config.acc_dtype(x.dtype), x.device)
         launch(_fwd_split_kernel, cfg.grid, x, y, x.stride(0), y.stride(0), part, count, M, N, cfg.split,
@@ -296,6 +357,12 @@ def softmax_fwd(x, log):
     return y
 
 
+def _smem_meta(cfg, log) -> dict:
+    """Launch keywords of ``_fwd_smem_kernel`` from its config."""
+    return dict(CHUNK=cfg.block_size, CHUNKS=cfg.split, SPARE=int(cfg.prefetch), LOG=log,
+                num_warps=cfg.num_warps)
+
+
 def plan_softmax(x, log, grad=False):
     """A plan for softmax / log_softmax calls along the last dim shaped like this one (contract
     extension, see layer_norm.plan_row_norm), for contiguous inputs of x's M * N elements: the fused
@@ -304,21 +371,23 @@ def plan_softmax(x, log, grad=False):
     -> y`` and ``backward(dy, y) -> dx`` with dy contiguous and 16-byte aligned. None where a
     direction takes the looped kernels, or off the GPU."""
     M, N = x.shape
-    cfg = config.softmax(M, N, x.dtype, x.device)
-    if x.device.type != "cuda" or not (cfg.fused or cfg.split > 1):
+    cfg = config.softmax(M, N, x.dtype, x.device, smem.rows_fit(x))
+    if x.device.type != "cuda" or not (cfg.fused or cfg.smem or cfg.split > 1):
         return None
     acc, index = config.acc_dtype(x.dtype), x.device.index
     flags = dict(LOG=log, ACC=config.tl_acc_dtype(x.dtype))
     if cfg.fused:
         bound = Bound(_fwd_fused_kernel, cfg.grid, index, ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size,
                       num_warps=cfg.num_warps, **flags)  # fmt: skip
+    elif cfg.smem:
+        bound = Bound(_fwd_smem_kernel, cfg.grid, index, **_smem_meta(cfg, log))
     else:
         bound = Bound(_fwd_split_kernel, cfg.grid, index, num_warps=cfg.num_warps, **coop.split_meta(cfg),
                       **flags)  # fmt: skip
 
     def run(x):
         y = torch.empty_like(x)
-        if cfg.fused:
+        if cfg.fused or cfg.smem:
             bound(x, y, N, N, M, N)
         else:
             bound(x, y, N, N, *coop.workspace(M, 2, cfg.split, acc, x.device), M, N, cfg.split)

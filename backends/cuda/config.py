@@ -301,10 +301,17 @@ def forward(M: int, N: int, dtype: torch.dtype, device: torch.device, kind: str 
 # - layer_norm: 16384 (0.89 at 40000-65536 with ONE_PASS, 0.74-0.75 two-pass at 98304-114688;
 #   8192: 0.70-0.86; split rows 0.68-0.73); fused at 32768 (0.95 vs 0.92).
 # - softmax / log_softmax: 8192 (0.87-0.91 / 0.89-0.92 at 40000-65536, 0.80-0.85 at 98304-114688;
-#   16384: 0.83 / 0.92 at 40000, level elsewhere; split rows 0.76-0.84); fused at 32768 (0.94-0.95
-#   vs 0.91-0.935).
+#   16384: 0.83 / 0.92 at 40000, level elsewhere: SMEM_WIDE; split rows 0.76-0.84); fused at 32768
+#   (0.94-0.95 vs 0.91-0.935).
 # - fp32: rows of 32768 read 0.93-0.97 vs the fused kernels' 0.96-1.00.
 SMEM_FWD = {"layer_norm": (16384, 16, 32769), "rms_norm": (8192, 16, 32769), "softmax": (8192, 16, 32769)}
+# Longer rows of these kinds take (shortest row, chunk elements) instead. Softmax in 8192-element
+# chunks at N = 65536 is register-starved when ptxas of CUDA 13 builds it (torch's, which Inductor
+# puts in TRITON_PTXAS_PATH the first time torch.compile runs in the process): 64 registers and
+# spills, 0.63 vs 0.86 (Triton 3.6's ptxas of CUDA 12.8: 104 registers). 16384-element chunks build
+# to 127-128 registers with either and read level with 8192 (0.865 vs 0.872, 0.80 / 0.83 at
+# 98304 / 114688, perf-notes v24); below 49152 the masked tail of a 16384 chunk costs (0.83 vs 0.91).
+SMEM_WIDE = {"softmax": (49153, 16384)}
 # LayerNorm's statistics in one read of the buffers (Welford's update per column slot, two more
 # register arrays) up to this many buffers a row, else two reads. H100 bf16, 16384-element chunks:
 # one read 0.89 vs two 0.81-0.85 at N = 40000-65536; at 98304-114688 the one-read kernel spills
@@ -325,6 +332,8 @@ def smem_row(M: int, N: int, dtype: torch.dtype, device: torch.device, kind: str
     chunk, warps, shortest = SMEM_FWD[kind]
     if N < shortest or torch.cuda.get_device_capability(device) < (8, 0):
         return None
+    if kind in SMEM_WIDE and N >= SMEM_WIDE[kind][0]:
+        chunk = SMEM_WIDE[kind][1]
     chunks = triton.cdiv(N, chunk)
     room = smem.smem_per_block(device) - SMEM_RESERVE
     if chunks * chunk * dtype.itemsize > room:

@@ -4,11 +4,14 @@ A forward that must see the whole row before it can write any of it (its statist
 the row in registers (fused kernels, up to 32768 elements), splits it over co-resident programs that
 exchange partial statistics through global memory (coop.py), or reads it twice. A 16-bit row of up
 to 114688 elements (7 buffers of 16384) fits one SM's shared memory (227 KB a block on the H100),
-so one program can hold it there without spending registers: the row arrives by ``cp.async`` in
-CHUNKS chunk buffers of CHUNK elements, the statistics are summed over the buffers as each chunk
-lands, and the normalize pass reads each chunk back, hands its buffer to the next row's copy at once, then
-computes and stores. The next row's loads are therefore in flight through this row's normalize
-pass, with no barrier between programs and no re-read from L2 (docs/perf-notes.md v23).
+so one program can hold it there without spending registers. Each program's rows (pid, pid +
+programs, ...) stream through CHUNKS buffers of CHUNK elements, plus SPARE (0 or 1) spare buffers:
+chunk g of the stream lands by ``cp.async`` in buffer g % (CHUNKS + SPARE). The statistics are
+taken over the buffers as each chunk lands; the output pass reads each chunk back, hands its buffer
+to the stream's next copy at once, then computes and stores. The next row's loads (with a spare
+buffer, also the first chunk of the row after it) are therefore in flight through this row's
+statistics and output, with no barrier between programs and no re-read from L2
+(docs/perf-notes.md v23, v24).
 
 Plain Triton cannot place a tensor in shared memory, so these kernels are written in Gluon
 (``triton.experimental.gluon``), Triton's lower-level dialect. Gluon's API is still changing:

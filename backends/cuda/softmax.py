@@ -1,9 +1,11 @@
 """Softmax and log-softmax along the last dim on NVIDIA GPUs: kernels, then launchers.
 
-Fused: whole rows in registers, ROWS rows per program (max, exp, sum in one read of x). Looped:
-rows longer than the register budget take one program each and sweep column tiles twice: an
-online max/sum (rescaling the running sum when the max grows), then the output. Rows of all -inf
-give NaN, as in torch.
+Fused: whole rows in registers, ROWS rows per program (max, exp, sum in one read of x). Shared
+memory (16-bit rows that fit one SM's shared memory; smem.py): one program per SM streams rows
+through shared-memory buffers, one read of x. Split rows: a row's chunks on co-resident programs
+that exchange partial max / sum (coop.py). Looped: one program per row sweeps column tiles twice:
+an online max/sum (rescaling the running sum when the max grows), then the output. Rows of all
+-inf give NaN, as in torch.
 """
 
 from __future__ import annotations

@@ -92,13 +92,19 @@ def test_variance_survives_large_mean(run_on, executor, shape):
     """x = 1e4 + randn in fp32: rstd must match fp64 (E[x^2] - E[x]^2 would lose it entirely)."""
     with run_on(executor, torch.float32):
         inputs = make_inputs("layer_norm", shape, 1, torch.float32, executor.device, mean=1e4)
-        x = inputs["x"]
-        _, _, rstd = normkit.backend_for(x.device).layer_norm_fwd(x, None, None, 1e-5)
-        expected = torch.rsqrt(x.double().var(dim=-1, unbiased=False) + 1e-5)
-        torch.testing.assert_close(rstd.double(), expected, rtol=1e-5, atol=0)
-        out = public_results("layer_norm", eps=1e-5, **inputs)
-        ref = reference_results("layer_norm", eps=1e-5, **inputs)
-        assert_close(out["y"], ref["y"], torch.float32, "fwd", "y")
+        check_large_mean(inputs, torch.float32)
+
+
+def check_large_mean(inputs, dtype, rows=1):
+    """rstd of the backend's forward to 1e-5 of fp64 and y through the public API, for inputs far
+    from zero."""
+    x = inputs["x"]
+    _, _, rstd = normkit.backend_for(x.device).layer_norm_fwd(x, None, None, 1e-5)
+    expected = torch.rsqrt(x.double().var(dim=-1, unbiased=False) + 1e-5)
+    torch.testing.assert_close(rstd.double(), expected, rtol=1e-5, atol=0)
+    out = public_results("layer_norm", eps=1e-5, **inputs)
+    ref = reference_results("layer_norm", eps=1e-5, **inputs)
+    assert_close(out["y"], ref["y"], dtype, "fwd", "y", rows=rows)
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -233,10 +239,4 @@ def test_shared_memory_variance_survives_large_mean(run_on, shape):
         device = torch.device("cuda")
         assert config.forward(*shape, torch.float16, device, "layer_norm", True).smem
         inputs = make_inputs("layer_norm", shape, 1, torch.float16, device, mean=1e3, seed=5)
-        x = inputs["x"]
-        _, _, rstd = normkit.backend_for(x.device).layer_norm_fwd(x, None, None, 1e-5)
-        expected = torch.rsqrt(x.double().var(dim=-1, unbiased=False) + 1e-5)
-        torch.testing.assert_close(rstd.double(), expected, rtol=1e-5, atol=0)
-        out = public_results("layer_norm", eps=1e-5, **inputs)
-        ref = reference_results("layer_norm", eps=1e-5, **inputs)
-        assert_close(out["y"], ref["y"], torch.float16, "fwd", "y", rows=shape[0])
+        check_large_mean(inputs, torch.float16, rows=shape[0])

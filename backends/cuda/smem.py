@@ -55,6 +55,19 @@ def copy_chunk(dst, X, row, M, N, stride_x, cols):
 
 
 @jit
+def open_stream(X, M, N, stride_x, layout: gl.constexpr, CHUNK: gl.constexpr, CHUNKS: gl.constexpr,
+                SPARE: gl.constexpr):  # fmt: skip
+    """The shared-memory kernels' prologue: allocate the CHUNKS + SPARE buffers of CHUNK elements
+    (unswizzled: with ``layout`` for the copies and the reads, each thread reads what it copied),
+    start the stream (:func:`start`). Returns (buffers, column offsets of a chunk in ``layout``)."""
+    unswizzled: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    buf = gl.allocate_shared_memory(X.dtype.element_ty, [CHUNKS + SPARE, CHUNK], unswizzled)
+    offs = gl.arange(0, CHUNK, layout=layout)
+    start(buf, X, M, N, stride_x, offs, CHUNK, CHUNKS, SPARE)
+    return buf, offs
+
+
+@jit
 def start(buf, X, M, N, stride_x, offs, CHUNK: gl.constexpr, CHUNKS: gl.constexpr, SPARE: gl.constexpr):
     """Start this program's stream of row chunks (rows pid, pid + programs, ...; chunk g of the
     stream is chunk g % CHUNKS of the program's row g // CHUNKS, in buffer g % (CHUNKS + SPARE)):

@@ -167,11 +167,8 @@ def _fwd_smem_kernel(
     NW: gl.constexpr = gl.num_warps()
     VEC: gl.constexpr = 8  # 16 bytes of 16-bit values per thread and copy
     layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [NW], [0])
-    unswizzled: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # each thread reads what it copied
-    buf = gl.allocate_shared_memory(X.dtype.element_ty, [CHUNKS + SPARE, CHUNK], unswizzled)
-    offs = gl.arange(0, CHUNK, layout=layout)
+    buf, offs = smem.open_stream(X, M, N, stride_x, layout, CHUNK, CHUNKS, SPARE)
     nprog = gl.num_programs(0)
-    smem.start(buf, X, M, N, stride_x, offs, CHUNK, CHUNKS, SPARE)
     base = gl.program_id(0) * 0  # buffer of the row's chunk 0
     for row in range(gl.program_id(0), M, nprog):
         m = float("-inf")

@@ -140,11 +140,15 @@ def cmd_info(args) -> int:
         from normkit.backends.npu import config as npu_config
 
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        print(f"launch configs for rows M={m}, N={n}, {args.dtype} (CUDA on {device}):")
+        print(f"launch configs for rows M={m}, N={n}, {args.dtype} (CUDA on {device}; contiguous rows,"
+              " 16-byte aligned, affine parameters):")  # fmt: skip
+        fit = n % 16 == 0  # smem.fits for such rows
         for kind in ("layer_norm", "rms_norm", "add_norm", "softmax"):
-            print(f"  cuda forward   {cuda_config.forward(m, n, dtype, device, kind)} ({kind})")
-        print(f"  cuda backward  {cuda_config.backward(m, n, dtype, device, is_rms=False)} (layer_norm)")
-        print(f"  cuda backward  {cuda_config.backward(m, n, dtype, device, is_rms=True)} (rms_norm)")
+            cfg = cuda_config.forward(m, n, dtype, device, kind, fit and kind != "add_norm")
+            print(f"  cuda forward   {cfg} ({kind})")
+        for name, is_rms, grads in (("layer_norm", False, 2), ("rms_norm", True, 1)):
+            cfg = cuda_config.backward(m, n, dtype, device, is_rms, fit, grads)
+            print(f"  cuda backward  {cfg} ({name})")
         npu_device = torch.device("npu" if ok else "cpu")
         where = "npu" if ok else "cpu tensors, interpreter"
         programs = npu_config.vector_cores(npu_device)

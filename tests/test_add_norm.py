@@ -8,7 +8,7 @@ from conftest import DEVICE, INTERPRETER, executor_params
 
 import normkit
 from normkit import reference
-from normkit.testing import ADD_OPS, add_norm_public, check_add_norm_case, dropout_keep_mask
+from normkit.testing import ADD_OPS, Executor, add_norm_public, check_add_norm_case, dropout_keep_mask
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 DEVICE_SHAPES = [(1, 1), (3, 7), (128, 1023), (1151, 1024), (1, 4096), (128, 4096), (3, 40999)]
@@ -43,6 +43,25 @@ VARIANTS = {
 def test_variants(run_on, executor, shape, variant, op):
     with run_on(executor, torch.bfloat16):
         check_add_norm_case(op, shape, torch.bfloat16, executor.device, **VARIANTS[variant])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("op,shape", [("add_layer_norm", (300, 16384)), ("add_layer_norm", (7, 12304)),
+                                      ("add_rms_norm", (133, 32768))], ids=str)  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_backward_rows_in_shared_memory(run_on, op, shape, dtype):
+    """16-bit rows the shared-memory backward takes (config.SMEM_BWD, asserted): h's own gradient
+    added, the residual's gradient written (and not, without a residual); the first call of a
+    signature and the plan-served second match fp64 (same seeds' inputs, fresh each call)."""
+    from normkit.backends.cuda import config
+
+    with run_on(Executor("cuda", "cuda"), dtype):
+        device = torch.device("cuda")
+        partials = 1 if op == "add_rms_norm" else 2
+        assert config.backward(*shape, dtype, device, op == "add_rms_norm", True, partials).smem
+        for residual in (True, False):
+            for call in range(2):
+                check_add_norm_case(op, shape, dtype, device, residual=residual, seed=_seed(shape, op, call))
 
 
 @pytest.mark.parametrize("op", ADD_OPS)

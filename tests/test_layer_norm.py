@@ -228,6 +228,46 @@ def test_rows_in_shared_memory(run_on, shape, dtype, op, affine):
         assert_close(out["y"], ref["y"], dtype, "fwd", "y", rows=shape[0])
 
 
+# The backward's rows in shared memory (config.SMEM_BWD): 16-bit rows of 8193-32768 elements whose
+# dweight / dbias partials fit the registers; rows not a multiple of the 8192-element buffer too.
+SMEM_BWD_CASES = [  # (op, shape, weight, bias)
+    ("layer_norm", (1, 9232), True, True), ("layer_norm", (7, 12304), True, True),
+    ("layer_norm", (300, 16384), True, True), ("layer_norm", (133, 32768), True, False),
+    ("layer_norm", (5, 32768), False, False), ("rms_norm", (300, 16384), True, False),
+    ("rms_norm", (133, 32768), True, False), ("rms_norm", (2, 20000), False, False),
+]  # fmt: skip
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("op,shape,weight,bias", SMEM_BWD_CASES, ids=str)
+def test_backward_rows_in_shared_memory(run_on, op, shape, weight, bias, dtype):
+    """The shared-memory backward (chosen for these cases, asserted) matches fp64 in dx, dweight and
+    dbias, twice over bitwise equal; rows whose stride is off 16 take another backward and match too."""
+    from normkit.backends.cuda import config, smem
+
+    with run_on(Executor("cuda", "cuda"), dtype):
+        device = torch.device("cuda")
+        assert config.backward(*shape, dtype, device, op == "rms_norm", True, weight + bias).smem
+        check_case(op, shape, 1, dtype, device, weight=weight, bias=bias,
+                   seed=zlib.crc32(f"{shape}{op}{weight}{bias}".encode()))  # fmt: skip
+        inputs = make_inputs(op, shape, 1, dtype, device, weight, bias, seed=4)
+        first = public_results(op, eps=1e-5, **inputs)
+        second = public_results(op, eps=1e-5, **inputs)
+        for key in ("dx", "dweight", "dbias"):
+            if first[key] is not None:
+                assert torch.equal(first[key], second[key]), f"{key} differs between runs"
+        wide = torch.randn(shape[0], shape[1] + 8, dtype=dtype, device=device)
+        inputs["x"] = wide[:, 8:]  # row stride N + 8: not a multiple of 16, no cp.async
+        assert not smem.rows_fit(inputs["x"])
+        out = public_results(op, eps=1e-5, **inputs)
+        ref = reference_results(op, eps=1e-5, **inputs)
+        assert_close(out["dx"], ref["dx"], dtype, "bwd", "dx")
+        for key in ("dweight", "dbias"):
+            if ref[key] is not None:
+                assert_close(out[key], ref[key], dtype, "param", key, shape[0])
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("shape", [(300, 40000), (140, 114688)], ids=str)
 def test_shared_memory_variance_survives_large_mean(run_on, shape):

@@ -199,7 +199,7 @@ class LaunchConfig:
     maxnreg: int = MAX_REGISTERS  # register cap per thread the kernel is compiled with (split rows)
     prefetch: bool = False  # backward: load the next row tile (fused; split: the next row's chunk,
     # and publish its partials) during this one; shared-memory rows: one spare buffer
-    smem: bool = False  # forward: rows resident in shared memory (smem.py), split chunks = buffers
+    smem: bool = False  # rows resident in shared memory (smem.py), split = buffers a row
 
 
 @functools.lru_cache(maxsize=64)
@@ -343,6 +343,43 @@ def smem_row(M: int, N: int, dtype: torch.dtype, device: torch.device, kind: str
     return LaunchConfig(chunk, warps, 1, grid, False, chunks, prefetch=spare, smem=True)
 
 
+# Row-norm backward rows in shared memory (layer_norm._bwd_smem_kernel): x and dy stream through
+# one program's shared memory together, its fp32 dweight / dbias partials ([chunks, chunk] each) stay
+# in registers. (chunk elements, num_warps, shortest row, longest row). H100, bf16, M * N = 2^27, the
+# kernel plus the partial sum, GPU time, fraction of copy, against the production backward in the
+# same process (perf-notes v25): LayerNorm N = 16384: 0.88 (8192 x 16 warps, spare buffer) vs split
+# rows 0.73 (4096-element chunks 0.82-0.84; partials in shared memory instead: 0.66-0.75, dbias's
+# alone 0.72-0.84); RMSNorm 16384: 0.94 vs the fused kernel's 0.76; 32768: 0.89 vs split rows 0.78.
+# Rows past 32768 are not measured.
+SMEM_BWD = (8192, 16, 8193, 32768)
+# The registers bound the partials: next_pow2(chunks) rows for each of dweight / dbias, at most this
+# many rows in all (64 fp32 registers a thread at 16 warps; LayerNorm 16384 and RMSNorm 32768 build
+# to 128 registers with <= 24 bytes spilled, ptxas -v; one more row spills in earnest).
+SMEM_BWD_PARTIAL_ROWS = 4
+
+
+def smem_backward(M: int, N: int, dtype: torch.dtype, device: torch.device,
+                  partials: int) -> LaunchConfig | None:  # fmt: skip
+    """Row-norm backward with rows in shared memory (:data:`SMEM_BWD`), or None: as
+    :func:`smem_row`'s conditions, plus ``partials`` (dweight, dbias: 0-2) x next_pow2(chunks)
+    partial rows within :data:`SMEM_BWD_PARTIAL_ROWS`. One program per SM; ``split`` = buffers a
+    row (of x, and of dy), ``prefetch``: a spare buffer of each where it fits."""
+    chunk, warps, shortest, longest = SMEM_BWD
+    if device.type != "cuda" or dtype.itemsize != 2 or not smem.AVAILABLE or not shortest <= N <= longest:
+        return None
+    chunks = triton.cdiv(N, chunk)
+    if partials * triton.next_power_of_2(chunks) > SMEM_BWD_PARTIAL_ROWS:
+        return None
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        return None
+    room = smem.smem_per_block(device) - SMEM_RESERVE
+    row = 2 * chunk * dtype.itemsize  # a buffer of x and one of dy
+    if chunks * row > room:
+        return None
+    grid = (min(M, sm_count(device)),)
+    return LaunchConfig(chunk, warps, 1, grid, False, chunks, prefetch=(chunks + 1) * row <= room, smem=True)
+
+
 @_memoized
 def softmax(M: int, N: int, dtype: torch.dtype, device: torch.device, smem_ok: bool = False) -> LaunchConfig:
     """Softmax / log_softmax forward: the row-norm forward's tiling, with its own split-row
@@ -368,17 +405,24 @@ def row_sweep(M: int, N: int, dtype: torch.dtype) -> LaunchConfig:
 
 
 @_memoized
-def backward(M: int, N: int, dtype: torch.dtype, device: torch.device, is_rms: bool) -> LaunchConfig:
+def backward(M: int, N: int, dtype: torch.dtype, device: torch.device, is_rms: bool, smem_ok: bool = False,
+             partials: int = 2) -> LaunchConfig:  # fmt: skip
     """Row-norm backward.
 
     Fused: a persistent grid (``FUSED_BWD`` table) walks row tiles, each program keeping its
     dweight/dbias partial in registers; grid[0] is the number of partial rows.
+    Rows in shared memory (``smem_ok``: the caller checked ``smem.fits`` for x and dy, both 16-bit,
+    no dropout; ``partials``: how many of dweight / dbias are wanted): :func:`smem_backward`; one
+    partial row a program.
     Split rows (``split`` > 1, coop.py): grid = row groups x chunks; each program keeps the
     dweight/dbias partial of its chunk's columns, so there are grid[0] // split partial rows.
     Looped: grid (row chunks, column tiles); each program sweeps a chunk of rows for one column
     tile; grid[0] row chunks is the number of partial rows.
     """
     block = triton.next_power_of_2(N)
+    cfg = smem_ok and smem_backward(M, N, dtype, device, partials)
+    if cfg:
+        return cfg
     if block <= _fused_max(FUSED_MAX_N_BWD[is_rms, dtype.itemsize >= 4], dtype):
         entry = next(e for e in FUSED_BWD[is_rms, dtype.itemsize >= 4] if block <= e.max_n)
         rows = max(1, min(MAX_ROWS_PER_PROGRAM, entry.tile_elements // block, triton.next_power_of_2(M)))

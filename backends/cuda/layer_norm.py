@@ -791,6 +791,128 @@ def _bwd_split_kernel(
         tl.store(DB_part + out, db, mask=mask)
 
 
+@smem.jit
+def _bwd_smem_kernel(
+    X,  # (M, N) 16-bit normalized rows (h for the add-norms), 16-byte aligned; row stride stride_x
+    DY,  # (M, N) output gradient rows, X's dtype, aligned alike; row stride stride_dy
+    DH,  # (M, N) incoming gradient of h (read when HAS_DH); row stride stride_dh
+    DX,  # (M, N) out: gradient of the forward's x; row stride stride_dx
+    DRES,  # (M, N) out: gradient of the residual (written when HAS_DRES); row stride stride_dres
+    W,  # (N,) weight (unread unless HAS_W)
+    Mean,  # (M,) fp32 forward row means (unread when IS_RMS)
+    Rstd,  # (M,) fp32
+    DW_part,  # (G, N) out: row g = program g's sum of dy * xhat (written when HAS_W); G = 1: dweight
+    DB_part,  # (G, N) out: row g = program g's sum of dy (written when HAS_DB); G = 1: dbias
+    stride_x,  # a multiple of 16, as stride_dy
+    stride_dy,
+    stride_dh,
+    stride_dx,
+    stride_dres,
+    M,
+    N,  # a multiple of 16 in ((CHUNKS - 1) * CHUNK, CHUNKS * CHUNK]
+    CHUNK: gl.constexpr,  # columns per shared-memory buffer
+    CHUNKS: gl.constexpr,  # buffers a row (of x, and of dy)
+    SPARE: gl.constexpr,  # extra buffers (0 or 1) of each: the row after next starts landing early
+    IS_RMS: gl.constexpr,
+    HAS_W: gl.constexpr,
+    HAS_DB: gl.constexpr,
+    HAS_DH: gl.constexpr,
+    HAS_DRES: gl.constexpr,
+):
+    """Persistent grid, one program per SM. Each program's rows of x and dy stream through its
+    shared memory together (smem.open_pair), so neither the row nor the next one costs registers;
+    the registers hold the program's dweight / dbias partials, fp32 [CHUNKS, CHUNK] (config bounds
+    their size). Per row: the two row terms (c1, c2) from the buffers as the chunks land, then per
+    chunk: read x and dy back, start the stream's next copy into their buffers, compute and store
+    dx, add dy * xhat and dy into the chunk's row of the partials. The partial rows are written once,
+    at the end (reduce.py sums them over the programs, in a fixed order)."""
+    NW: gl.constexpr = gl.num_warps()
+    VEC: gl.constexpr = 8  # 16 bytes of 16-bit values per thread and copy
+    # the partials: [CHUNKS, CHUNK] in registers (rows past CHUNKS stay zero), a thread holding its
+    # columns of every chunk
+    ROWS: gl.constexpr = smem.next_pow2(CHUNKS)
+    parts: gl.constexpr = gl.BlockedLayout([ROWS, VEC], [1, 32], [1, NW], [1, 0])
+    layout: gl.constexpr = gl.SliceLayout(0, parts)  # a chunk: VEC columns a thread
+    bx, bdy, offs = smem.open_pair(X, DY, M, N, stride_x, stride_dy, layout, CHUNK, CHUNKS, SPARE)
+    zero = gl.zeros([CHUNK], gl.float32, layout)
+    chunk_of = gl.expand_dims(gl.arange(0, ROWS, layout=gl.SliceLayout(1, parts)), 1)  # [ROWS, 1]
+    dw = gl.zeros([ROWS, CHUNK], gl.float32, parts)
+    db = gl.zeros([ROWS, CHUNK], gl.float32, parts)
+    nprog = gl.num_programs(0)
+    inv_n = 1.0 / N.to(gl.float32)
+    base = gl.program_id(0) * 0  # buffer of the row's chunk 0
+    for row in range(gl.program_id(0), M, nprog):
+        rstd = gl.load(Rstd + row)
+        if IS_RMS:
+            mean = 0.0
+        else:
+            mean = gl.load(Mean + row)
+        # c1 = mean of xhat * w * dy, c2 = mean of w * dy (LayerNorm); columns past N landed as zeros
+        a1 = zero
+        a2 = zero
+        if HAS_W:
+            w = gl.load(W + offs, mask=offs < N, other=0.0)
+        for c in gl.static_range(CHUNKS):
+            if HAS_W and c + 1 < CHUNKS:
+                w_next = gl.load(W + offs + (c + 1) * CHUNK, mask=offs + (c + 1) * CHUNK < N, other=0.0)
+            smem.wait(c, CHUNKS, SPARE)
+            x = smem.slot(bx, base, c, CHUNKS, SPARE).load(layout).to(gl.float32)
+            wdy = smem.slot(bdy, base, c, CHUNKS, SPARE).load(layout).to(gl.float32)
+            if HAS_W:
+                wdy = wdy * w.to(gl.float32)
+            a1 += (x - mean) * wdy
+            if not IS_RMS:
+                a2 += wdy
+            if HAS_W and c + 1 < CHUNKS:
+                w = w_next
+        c1 = gl.sum(a1, axis=0) * rstd * inv_n
+        if IS_RMS:
+            c2 = 0.0
+        else:
+            c2 = gl.sum(a2, axis=0) * inv_n
+        if HAS_W:
+            w = gl.load(W + offs, mask=offs < N, other=0.0)
+        r64 = row.to(gl.int64)
+        for c in gl.static_range(CHUNKS):
+            cols = c * CHUNK + offs
+            mask = cols < N
+            sx = smem.slot(bx, base, c, CHUNKS, SPARE)
+            sdy = smem.slot(bdy, base, c, CHUNKS, SPARE)
+            x = sx.load(layout)
+            dy = sdy.load(layout)
+            if HAS_W and c + 1 < CHUNKS:
+                w_next = gl.load(W + cols + CHUNK, mask=cols + CHUNK < N, other=0.0)
+            # both buffers are free once read: the stream's next chunks land during this chunk's work
+            smem.refill(sx, X, row, M, N, stride_x, offs, c, CHUNK, CHUNKS, SPARE, sdy, DY, stride_dy)
+            xhat = (x.to(gl.float32) - mean) * rstd
+            dy = dy.to(gl.float32)
+            if HAS_W:
+                wdy = dy * w.to(gl.float32)
+            else:
+                wdy = dy
+            d = (wdy - (xhat * c1 + c2)) * rstd
+            if HAS_DH:
+                d += gl.load(DH + r64 * stride_dh + cols, mask=mask, other=0.0).to(gl.float32)
+            if HAS_DRES:
+                gl.store(DRES + r64 * stride_dres + cols, d.to(DRES.dtype.element_ty), mask=mask)
+            gl.store(DX + r64 * stride_dx + cols, d.to(DX.dtype.element_ty), mask=mask)
+            # chunk c's row of the partials (a select per register, resolved at compile time)
+            if HAS_W:
+                dw = gl.where(chunk_of == c, dw + gl.expand_dims(dy * xhat, 0), dw)
+            if HAS_DB:
+                db = gl.where(chunk_of == c, db + gl.expand_dims(dy, 0), db)
+            if HAS_W and c + 1 < CHUNKS:
+                w = w_next
+        base = smem.next_base(base, CHUNKS, SPARE)
+    cp.wait_group(0)
+    cols = chunk_of * CHUNK + gl.expand_dims(offs, 0)
+    out = gl.program_id(0) * N + cols
+    if HAS_W:
+        gl.store(DW_part + out, dw.to(DW_part.dtype.element_ty), mask=cols < N)
+    if HAS_DB:
+        gl.store(DB_part + out, db.to(DB_part.dtype.element_ty), mask=cols < N)
+
+
 def _dropout_args(dropout_p, seed):
     """(seed, p, scale) kernel arguments; dropout is compiled out when p == 0."""
     return (seed, dropout_p, 1.0 / (1.0 - dropout_p)) if dropout_p > 0 else (0, 0.0, 1.0)
@@ -845,6 +967,19 @@ def _smem_meta(cfg, flags) -> dict:
                 IS_RMS=flags["IS_RMS"], HAS_W=flags["HAS_W"], HAS_B=flags["HAS_B"], num_warps=cfg.num_warps)
 
 
+def _smem_bwd_meta(cfg, flags) -> dict:
+    """Launch keywords of ``_bwd_smem_kernel`` from its config and the backward's flags, HAS_DH aside."""
+    keep = ("IS_RMS", "HAS_W", "HAS_DB", "HAS_DRES", "num_warps")
+    meta = dict(CHUNK=cfg.block_size, CHUNKS=cfg.split, SPARE=int(cfg.prefetch))
+    return dict(meta, **{k: flags[k] for k in keep})
+
+
+def _partial_rows(cfg) -> int:
+    """dweight / dbias partial rows a backward config writes: one a program, but one a row group for
+    split rows."""
+    return cfg.grid[0] if cfg.smem else cfg.grid[0] // cfg.split
+
+
 def plan_row_norm(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtype=None, grad=False):
     """A plan for LayerNorm / RMSNorm calls (and the add-norms without dropout, ``add``) shaped like
     this one (contract extension, used by normkit.functional), for contiguous inputs of x's M * N
@@ -867,7 +1002,8 @@ def plan_row_norm(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtyp
         return None
     if grad:
         backward = _plan_backward(M, N, h_dtype if add else x.dtype, x.device, weight, bias, is_rms,
-                                  x.dtype, None if residual is None else residual.dtype)  # fmt: skip
+                                  x.dtype, None if residual is None else residual.dtype,
+                                  smem.rows_fit(x))  # fmt: skip
         if backward is None:
             return None
     flags = dict(IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=bias is not None, ADD=add,
@@ -914,29 +1050,33 @@ def plan_row_norm(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtyp
     return (forward, backward) if grad else run
 
 
-def _plan_backward(M, N, dtype, device, weight, bias, is_rms, x_dtype, residual_dtype):
+def _plan_backward(M, N, dtype, device, weight, bias, is_rms, x_dtype, residual_dtype, rows_fit):
     """The training plan's backward (see :func:`plan_row_norm`) for (M, N) normalized rows of
-    ``dtype`` (the input's, or h's), None where the looped backward serves: the fused or split-row
-    kernel (compiled with and without h's gradient, as calls come), then one launch summing the
-    programs' partials; a fused grid of one program writes dweight / dbias itself (its partials are
-    the sums: same values, one launch less). dx in ``x_dtype``; dresidual in ``residual_dtype``,
-    None for none."""
-    cfg = config.backward(M, N, dtype, device, is_rms)
-    if not (cfg.fused or cfg.split > 1):
-        return None
+    ``dtype`` (the input's, or h's), None where the looped backward serves: the fused, shared-memory
+    (``rows_fit``: the input's rows fit ``smem.fits``; the plan's dy is contiguous and aligned) or
+    split-row kernel (compiled with and without h's gradient, as calls come), then one launch
+    summing the programs' partials; a grid of one program writes dweight / dbias itself (its
+    partials are the sums: same values, one launch less). dx in ``x_dtype``; dresidual in
+    ``residual_dtype``, None for none."""
     has_w, has_db, has_dres = weight is not None, bias is not None, residual_dtype is not None
+    smem_ok = rows_fit and x_dtype.itemsize == 2
+    cfg = config.backward(M, N, dtype, device, is_rms, smem_ok, has_w + has_db)
+    if not (cfg.fused or cfg.smem or cfg.split > 1):
+        return None
     grads = (weight.dtype if has_w else None, bias.dtype if has_db else None)
-    direct = cfg.fused and cfg.grid[0] == 1
+    G = _partial_rows(cfg)
+    direct = (cfg.fused or cfg.smem) and G == 1
     flags = dict(IS_RMS=is_rms, HAS_W=has_w, HAS_DB=has_db, HAS_DRES=has_dres, DROPOUT=False,
                  ACC=config.tl_acc_dtype(dtype), num_warps=cfg.num_warps)  # fmt: skip
     if cfg.fused:
         meta = dict(ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size, PREFETCH=cfg.prefetch)
         kernel = _bwd_fused_kernel
+    elif cfg.smem:
+        meta, kernel, flags = _smem_bwd_meta(cfg, flags), _bwd_smem_kernel, {}
     else:
         meta, kernel = coop.split_meta(cfg), _bwd_split_kernel
     kernels = [Bound(kernel, cfg.grid, device.index, HAS_DH=has_dh, **meta, **flags)
                for has_dh in (False, True)]  # fmt: skip
-    G = cfg.grid[0] // cfg.split  # partial rows
     summed = None if direct or not any(grads) else reduce.plan_sum(G, N, grads, device)
     acc = config.acc_dtype(dtype)
 
@@ -951,6 +1091,8 @@ def _plan_backward(M, N, dtype, device, weight, bias, is_rms, x_dtype, residual_
         parts = (rstd if dw is None else dw, rstd if db is None else db)
         if cfg.fused:
             kernels[dh is not None](*head, *parts, N, N, N, N, N, M, N, 0, 0.0, 1.0)
+        elif cfg.smem:
+            kernels[dh is not None](*head, *parts, N, N, N, N, N, M, N)
         else:
             work = coop.workspace(M, 2, cfg.split, acc, xn.device)
             kernels[dh is not None](*head, *work, *parts, N, N, N, N, N, M, N, cfg.split, 1, 0, 0.0, 1.0)
@@ -970,14 +1112,15 @@ def _backward(dy, x, weight, mean, rstd, bias_dtype, is_rms, dh=None, x_dtype=No
     dropout mask, and dresidual (in ``residual_dtype``) is written when there was a residual.
     """
     M, N = x.shape
-    cfg = config.backward(M, N, x.dtype, x.device, is_rms)
+    has_w, has_db = weight is not None, bias_dtype is not None
+    smem_ok = dropout_p == 0 and dy.dtype.itemsize == 2 and smem.rows_fit(x) and smem.rows_fit(dy)
+    cfg = config.backward(M, N, x.dtype, x.device, is_rms, smem_ok, has_w + has_db)
     acc = config.acc_dtype(x.dtype)
     dx = torch.empty((M, N), dtype=x_dtype or x.dtype, device=x.device)
     dres = torch.empty((M, N), dtype=residual_dtype, device=x.device) if residual_dtype else None
-    has_w, has_db = weight is not None, bias_dtype is not None
     grad_dtypes = (weight.dtype if has_w else None, bias_dtype)
-    direct = cfg.fused and cfg.grid[0] == 1  # one program: its partials are the sums, written as such
-    G = cfg.grid[0] // cfg.split  # partial rows
+    G = _partial_rows(cfg)
+    direct = (cfg.fused or cfg.smem) and G == 1  # one program: its partials are the sums, written as such
     part_buf, (dweight, dbias) = reduce.targets(grad_dtypes, G, N, acc, x.device, direct)
     dw_part = rstd if dweight is None else dweight  # a placeholder pointer when unused
     db_part = rstd if dbias is None else dbias
@@ -997,6 +1140,11 @@ def _backward(dy, x, weight, mean, rstd, bias_dtype, is_rms, dh=None, x_dtype=No
         launch(_bwd_fused_kernel, cfg.grid,
             x, dy, dh_, dx, dres_, w, mean, rstd, dw_part, db_part, *strides, M, N, *drop, key=key,
             ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size, PREFETCH=cfg.prefetch, **flags,
+        )  # fmt: skip
+    elif cfg.smem:
+        launch(_bwd_smem_kernel, cfg.grid,
+            x, dy, dh_, dx, dres_, w, mean, rstd, dw_part, db_part, *strides, M, N, key=key,
+            HAS_DH=dh is not None, **_smem_bwd_meta(cfg, flags),
         )  # fmt: skip
     elif cfg.split > 1:
         part, count = coop.workspace(M, 2, cfg.split, acc, x.device)

@@ -46,11 +46,25 @@ def jit(fn):
     return gluon.jit(fn) if AVAILABLE else fn
 
 
+def _constexpr_function(fn):
+    return gluon.constexpr_function(fn) if AVAILABLE else fn
+
+
+@_constexpr_function
+def next_pow2(n):
+    """The least power of two >= ``n``, for a kernel's constexprs (a register tensor's shape)."""
+    return 1 << (int(n) - 1).bit_length()
+
+
 @jit
-def copy_chunk(dst, X, row, M, N, stride_x, cols):
+def copy_chunk(dst, X, row, M, N, stride_x, cols, dst2=None, X2=None, stride_2=None):
     """Start the copy of columns ``cols`` of row ``row`` of a (M, N) tensor into the buffer ``dst``
-    as one ``cp.async`` group. Columns past N and rows past the last copy nothing (zeros land)."""
-    async_copy(dst, X + row.to(gl.int64) * stride_x + cols, mask=(cols < N) & (row < M))
+    (and, for a pair of streams, the same columns of ``X2`` into ``dst2``) as one ``cp.async`` group.
+    Columns past N and rows past the last copy nothing (zeros land)."""
+    mask = (cols < N) & (row < M)
+    async_copy(dst, X + row.to(gl.int64) * stride_x + cols, mask=mask)
+    if X2 is not None:
+        async_copy(dst2, X2 + row.to(gl.int64) * stride_2 + cols, mask=mask)
     cp.commit_group()
 
 
@@ -60,24 +74,48 @@ def open_stream(X, M, N, stride_x, layout: gl.constexpr, CHUNK: gl.constexpr, CH
     """The shared-memory kernels' prologue: allocate the CHUNKS + SPARE buffers of CHUNK elements
     (unswizzled: with ``layout`` for the copies and the reads, each thread reads what it copied),
     start the stream (:func:`start`). Returns (buffers, column offsets of a chunk in ``layout``)."""
-    unswizzled: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    buf = gl.allocate_shared_memory(X.dtype.element_ty, [CHUNKS + SPARE, CHUNK], unswizzled)
+    buf = buffers(X.dtype.element_ty, CHUNKS + SPARE, CHUNK)
     offs = gl.arange(0, CHUNK, layout=layout)
     start(buf, X, M, N, stride_x, offs, CHUNK, CHUNKS, SPARE)
     return buf, offs
 
 
 @jit
-def start(buf, X, M, N, stride_x, offs, CHUNK: gl.constexpr, CHUNKS: gl.constexpr, SPARE: gl.constexpr):
+def open_pair(X, Y, M, N, stride_x, stride_y, layout: gl.constexpr, CHUNK: gl.constexpr,
+              CHUNKS: gl.constexpr, SPARE: gl.constexpr):  # fmt: skip
+    """:func:`open_stream` for two (M, N) tensors streamed together (the same rows and chunks, one
+    ``cp.async`` group a chunk of both). Returns (X's buffers, Y's buffers, column offsets)."""
+    bx = buffers(X.dtype.element_ty, CHUNKS + SPARE, CHUNK)
+    by = buffers(Y.dtype.element_ty, CHUNKS + SPARE, CHUNK)
+    offs = gl.arange(0, CHUNK, layout=layout)
+    start(bx, X, M, N, stride_x, offs, CHUNK, CHUNKS, SPARE, by, Y, stride_y)
+    return bx, by, offs
+
+
+@jit
+def buffers(dtype: gl.constexpr, COUNT: gl.constexpr, CHUNK: gl.constexpr):
+    """COUNT shared-memory buffers of CHUNK elements, unswizzled: a thread that reads with the
+    layout it copied (or stored) with reads what it wrote, and needs no barrier."""
+    unswizzled: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    return gl.allocate_shared_memory(dtype, [COUNT, CHUNK], unswizzled)
+
+
+@jit
+def start(buf, X, M, N, stride_x, offs, CHUNK: gl.constexpr, CHUNKS: gl.constexpr, SPARE: gl.constexpr,
+          buf2=None, X2=None, stride_2=None):  # fmt: skip
     """Start this program's stream of row chunks (rows pid, pid + programs, ...; chunk g of the
     stream is chunk g % CHUNKS of the program's row g // CHUNKS, in buffer g % (CHUNKS + SPARE)):
     its first row into buffers 0 .. CHUNKS - 1, then, with a spare buffer, its second row's first
-    chunk. One ``cp.async`` group per chunk, in stream order (see :func:`landed`)."""
+    chunk. One ``cp.async`` group per chunk, in stream order (see :func:`landed`); a pair of streams
+    (``X2`` into ``buf2``) shares the groups."""
     row = gl.program_id(0)
-    for c in gl.static_range(CHUNKS):
-        copy_chunk(buf.index(c), X, row, M, N, stride_x, c * CHUNK + offs)
-    for c in gl.static_range(SPARE):
-        copy_chunk(buf.index(CHUNKS + c), X, row + gl.num_programs(0), M, N, stride_x, c * CHUNK + offs)
+    for g in gl.static_range(CHUNKS + SPARE):
+        at = row + g // CHUNKS * gl.num_programs(0)
+        cols = g % CHUNKS * CHUNK + offs
+        if X2 is None:
+            copy_chunk(buf.index(g), X, at, M, N, stride_x, cols)
+        else:
+            copy_chunk(buf.index(g), X, at, M, N, stride_x, cols, buf2.index(g), X2, stride_2)
 
 
 @jit
@@ -90,25 +128,32 @@ def slot(buf, base, c: gl.constexpr, CHUNKS: gl.constexpr, SPARE: gl.constexpr):
 
 
 @jit
-def landed(buf, base, c: gl.constexpr, CHUNKS: gl.constexpr, SPARE: gl.constexpr):
-    """Wait until chunk ``c`` of the current row has landed; its buffer. Every chunk of the rows
-    before it has been read and refilled (:func:`refill`): the CHUNKS + SPARE - 1 - c groups
-    committed after chunk c may still be pending."""
+def wait(c: gl.constexpr, CHUNKS: gl.constexpr, SPARE: gl.constexpr):
+    """Wait until chunk ``c`` of the current row has landed. Every chunk of the rows before it has
+    been read and refilled (:func:`refill`): the CHUNKS + SPARE - 1 - c groups committed after
+    chunk c may still be pending."""
     cp.wait_group(CHUNKS + SPARE - 1 - c)
+
+
+@jit
+def landed(buf, base, c: gl.constexpr, CHUNKS: gl.constexpr, SPARE: gl.constexpr):
+    """:func:`wait` for chunk ``c`` of the current row; its buffer."""
+    wait(c, CHUNKS, SPARE)
     return slot(buf, base, c, CHUNKS, SPARE)
 
 
 @jit
 def refill(dst, X, row, M, N, stride_x, offs, c: gl.constexpr, CHUNK: gl.constexpr, CHUNKS: gl.constexpr,
-           SPARE: gl.constexpr):  # fmt: skip
-    """Chunk ``c`` of ``row`` has been read from its buffer ``dst``: start the copy of the chunk
-    CHUNKS + SPARE later in the stream into it (of the next row, or with a spare buffer, for the
-    row's last chunks, of the row after it)."""
+           SPARE: gl.constexpr, dst2=None, X2=None, stride_2=None):  # fmt: skip
+    """Chunk ``c`` of ``row`` has been read from its buffer ``dst`` (and ``dst2``, for a pair of
+    streams): start the copy of the chunk CHUNKS + SPARE later in the stream into it (of the next
+    row, or with a spare buffer, for the row's last chunks, of the row after it)."""
     nprog = gl.num_programs(0)
     if c + SPARE < CHUNKS:
-        copy_chunk(dst, X, row + nprog, M, N, stride_x, (c + SPARE) * CHUNK + offs)
+        copy_chunk(dst, X, row + nprog, M, N, stride_x, (c + SPARE) * CHUNK + offs, dst2, X2, stride_2)
     else:
-        copy_chunk(dst, X, row + 2 * nprog, M, N, stride_x, (c + SPARE - CHUNKS) * CHUNK + offs)
+        copy_chunk(dst, X, row + 2 * nprog, M, N, stride_x, (c + SPARE - CHUNKS) * CHUNK + offs, dst2, X2,
+                   stride_2)  # fmt: skip
 
 
 @jit

@@ -3,9 +3,14 @@
 RMSNorm is LayerNorm without centring (no mean, no bias), so both share these kernels through the
 ``IS_RMS`` constexpr; Triton compiles each variant separately, so neither pays for the other.
 
-Two shapes of kernel, chosen by ``config.forward`` / ``config.backward`` from the row length:
+The kernels, chosen by ``config.forward`` / ``config.backward`` from the row length (and dtype,
+alignment):
 - fused: whole rows in registers, ``ROWS`` rows per program; x is read once. The backward runs a
   persistent grid whose programs keep their dweight/dbias partial sums in registers.
+- shared memory (16-bit, aligned rows; Gluon, smem.py): one program per SM streams its rows
+  through shared-memory buffers: the forward for rows up to ~114 K elements, the backward (x and dy
+  together, its dweight/dbias partials in registers) up to 32768.
+- split rows (coop.py): co-resident programs share a row and exchange partial statistics.
 - looped: rows longer than the register budget loop over column tiles. Forward: one program per
   row, a statistics sweep (Chan's merge of per-tile mean/M2) then a normalize sweep. Backward: a
   per-row sweep for the two dx reduction terms, then a (row chunk x column tile) grid computing dx
@@ -412,7 +417,6 @@ def _fwd_smem_kernel(
             w = gl.load(W + offs, mask=offs < N, other=0.0)
         if HAS_B:
             b = gl.load(B + offs, mask=offs < N, other=0.0)
-        gl.store(Rstd + row, rstd)
         for c in gl.static_range(CHUNKS):
             cols = c * CHUNK + offs
             mask = cols < N

@@ -11,7 +11,9 @@ taken over the buffers as each chunk lands; the output pass reads each chunk bac
 to the stream's next copy at once, then computes and stores. The next row's loads (with a spare
 buffer, also the first chunk of the row after it) are therefore in flight through this row's
 statistics and output, with no barrier between programs and no re-read from L2
-(docs/perf-notes.md v23, v24).
+(docs/perf-notes.md v23, v24). The row-norm backward streams x and dy the same way, as a pair
+(:func:`open_pair`: one copy group a chunk of both), and keeps its dweight / dbias partials in
+registers (perf-notes v25).
 
 Plain Triton cannot place a tensor in shared memory, so these kernels are written in Gluon
 (``triton.experimental.gluon``), Triton's lower-level dialect. Gluon's API is still changing:

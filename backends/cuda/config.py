@@ -29,7 +29,7 @@ FUSED_MAX_N_FWD = 32768
 # at 32768 (fp32 alike: LayerNorm 0.38 vs 0.59, RMSNorm 0.70 vs 0.59 at 16384).
 # Keyed by (is_rms, element size >= 4): fp32 RMSNorm at N = 16384 reads 0.73 fused and LayerNorm
 # 0.92 split (perf-notes v15), so fp32 RMSNorm splits from 16384 too; 16-bit RMSNorm keeps the fused
-# 0.76-0.82 (split LayerNorm: 0.69-0.71).
+# 0.76-0.82 (split LayerNorm: 0.69-0.71) where its rows cannot take shared memory (SMEM_BWD: 0.94).
 FUSED_MAX_N_BWD = {(False, False): 8192, (False, True): 8192, (True, False): 16384, (True, True): 8192}
 # The softmax backward holds a row of y and one of dy; keyed by element size >= 4. At N = 32768
 # (M = 4096, GPU time only, H100; perf-notes v18) fused vs split rows: softmax / log_softmax bf16

@@ -321,26 +321,18 @@ SMEM_RESERVE = 1024  # bytes of a program's shared memory kept for the kernel's 
 
 
 def smem_row(M: int, N: int, dtype: torch.dtype, device: torch.device, kind: str) -> LaunchConfig | None:
-    """Rows resident in shared memory for ``kind`` (:data:`SMEM_FWD`), or None: not a CUDA device
-    of compute capability 8.0+ (``cp.async``), Gluon unavailable (smem.AVAILABLE), not 16-bit, a
-    row shorter than the kind's shortest, or larger than one program's shared memory. One program
-    per SM (the row's buffers fill most of it), each walking rows pid, pid + grid, ...; ``split`` =
-    buffers a row, ``prefetch``: one spare buffer where it fits (the row after next starts landing
-    while this row's last chunks do; smem.start)."""
-    if device.type != "cuda" or kind not in SMEM_FWD or dtype.itemsize != 2 or not smem.AVAILABLE:
+    """Rows resident in shared memory for ``kind`` (:data:`SMEM_FWD`), or None: a row shorter than
+    the kind's shortest, or :func:`_smem_config`'s conditions (a CUDA device of compute capability
+    8.0+, Gluon, 16-bit rows that fit one program's shared memory). One program per SM (the row's
+    buffers fill most of it), each walking rows pid, pid + grid, ...; ``split`` = buffers a row,
+    ``prefetch``: one spare buffer where it fits (the row after next starts landing while this
+    row's last chunks do; smem.start)."""
+    if kind not in SMEM_FWD or N < SMEM_FWD[kind][2]:
         return None
-    chunk, warps, shortest = SMEM_FWD[kind]
-    if N < shortest or torch.cuda.get_device_capability(device) < (8, 0):
-        return None
+    chunk, warps, _ = SMEM_FWD[kind]
     if kind in SMEM_WIDE and N >= SMEM_WIDE[kind][0]:
         chunk = SMEM_WIDE[kind][1]
-    chunks = triton.cdiv(N, chunk)
-    room = smem.smem_per_block(device) - SMEM_RESERVE
-    if chunks * chunk * dtype.itemsize > room:
-        return None
-    spare = (chunks + 1) * chunk * dtype.itemsize <= room
-    grid = (min(M, sm_count(device)),)
-    return LaunchConfig(chunk, warps, 1, grid, False, chunks, prefetch=spare, smem=True)
+    return _smem_config(M, N, dtype, device, chunk, warps, 1)
 
 
 # Row-norm backward rows in shared memory (layer_norm._bwd_smem_kernel): x and dy stream through
@@ -360,24 +352,38 @@ SMEM_BWD_PARTIAL_ROWS = 4
 
 def smem_backward(M: int, N: int, dtype: torch.dtype, device: torch.device,
                   partials: int) -> LaunchConfig | None:  # fmt: skip
-    """Row-norm backward with rows in shared memory (:data:`SMEM_BWD`), or None: as
-    :func:`smem_row`'s conditions, plus ``partials`` (dweight, dbias: 0-2) x next_pow2(chunks)
-    partial rows within :data:`SMEM_BWD_PARTIAL_ROWS`. One program per SM; ``split`` = buffers a
-    row (of x, and of dy), ``prefetch``: a spare buffer of each where it fits."""
+    """Row-norm backward with rows in shared memory (:data:`SMEM_BWD`), or None: a row outside
+    SMEM_BWD's lengths, ``partials`` (dweight, dbias: 0-2) x next_pow2(chunks) partial rows over
+    :data:`SMEM_BWD_PARTIAL_ROWS`, or :func:`_smem_config`'s conditions for x and dy. One program
+    per SM; ``split`` = buffers a row (of x, and of dy), ``prefetch``: a spare buffer of each where
+    it fits."""
     chunk, warps, shortest, longest = SMEM_BWD
-    if device.type != "cuda" or dtype.itemsize != 2 or not smem.AVAILABLE or not shortest <= N <= longest:
+    if not shortest <= N <= longest:
         return None
-    chunks = triton.cdiv(N, chunk)
-    if partials * triton.next_power_of_2(chunks) > SMEM_BWD_PARTIAL_ROWS:
+    if partials * triton.next_power_of_2(triton.cdiv(N, chunk)) > SMEM_BWD_PARTIAL_ROWS:
+        return None
+    return _smem_config(M, N, dtype, device, chunk, warps, 2)  # a buffer of x and one of dy
+
+
+def _smem_config(M: int, N: int, dtype: torch.dtype, device: torch.device, chunk: int, warps: int,
+                 streams: int) -> LaunchConfig | None:  # fmt: skip
+    """What :func:`smem_row` and :func:`smem_backward` share: None off a CUDA device of compute
+    capability 8.0+ (``cp.async``), without Gluon (smem.AVAILABLE), for other than 16-bit rows, or
+    where a row of ``streams`` tensors in CHUNK-element buffers does not fit one program's shared
+    memory; else one program per SM (grid min(M, SMs)), ``split`` = buffers a row, ``prefetch``:
+    one spare buffer (of each stream) where it fits."""
+    if device.type != "cuda" or dtype.itemsize != 2 or not smem.AVAILABLE:
         return None
     if torch.cuda.get_device_capability(device) < (8, 0):
         return None
+    chunks = triton.cdiv(N, chunk)
     room = smem.smem_per_block(device) - SMEM_RESERVE
-    row = 2 * chunk * dtype.itemsize  # a buffer of x and one of dy
-    if chunks * row > room:
+    buffer = streams * chunk * dtype.itemsize
+    if chunks * buffer > room:
         return None
+    spare = (chunks + 1) * buffer <= room
     grid = (min(M, sm_count(device)),)
-    return LaunchConfig(chunk, warps, 1, grid, False, chunks, prefetch=(chunks + 1) * row <= room, smem=True)
+    return LaunchConfig(chunk, warps, 1, grid, False, chunks, prefetch=spare, smem=True)
 
 
 @_memoized

@@ -27,6 +27,7 @@ never launches them and the GPU suite (``pytest -m cuda``) is what tests them.
 from __future__ import annotations
 
 import torch
+import triton
 
 try:  # not at all on triton-ascend and Triton < 3.4; a renamed API in later releases
     from triton.experimental import gluon
@@ -54,8 +55,9 @@ def _constexpr_function(fn):
 
 @_constexpr_function
 def next_pow2(n):
-    """The least power of two >= ``n``, for a kernel's constexprs (a register tensor's shape)."""
-    return 1 << (int(n) - 1).bit_length()
+    """``triton.next_power_of_2`` as a constexpr function of a kernel (a register tensor's shape),
+    whatever form the installed Triton gives it."""
+    return triton.next_power_of_2(int(n))
 
 
 @jit

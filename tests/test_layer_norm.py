@@ -130,12 +130,16 @@ def test_fp32_weight_with_half_input(run_on, executor, shape, op):
 def test_weight_grad_is_deterministic(run_on, executor, shape, op):
     """Two backward passes on the same inputs give bitwise-equal dweight / dbias / dx."""
     with run_on(executor, torch.bfloat16):
-        inputs = make_inputs(op, shape, 1, torch.bfloat16, executor.device)
-        first = public_results(op, eps=1e-5, **inputs)
-        second = public_results(op, eps=1e-5, **inputs)
-        for key in ("dx", "dweight", "dbias"):
-            if first[key] is not None:
-                assert torch.equal(first[key], second[key]), f"{key} differs between runs"
+        check_deterministic(op, make_inputs(op, shape, 1, torch.bfloat16, executor.device))
+
+
+def check_deterministic(op, inputs):
+    """Two backward passes on the same inputs give bitwise-equal dx / dweight / dbias."""
+    first = public_results(op, eps=1e-5, **inputs)
+    second = public_results(op, eps=1e-5, **inputs)
+    for key in ("dx", "dweight", "dbias"):
+        if first[key] is not None:
+            assert torch.equal(first[key], second[key]), f"{key} differs between runs"
 
 
 # fp64 is offered by the CUDA backend (and the reference) so gradcheck can run on the kernels.
@@ -252,11 +256,7 @@ def test_backward_rows_in_shared_memory(run_on, op, shape, weight, bias, dtype):
         check_case(op, shape, 1, dtype, device, weight=weight, bias=bias,
                    seed=zlib.crc32(f"{shape}{op}{weight}{bias}".encode()))  # fmt: skip
         inputs = make_inputs(op, shape, 1, dtype, device, weight, bias, seed=4)
-        first = public_results(op, eps=1e-5, **inputs)
-        second = public_results(op, eps=1e-5, **inputs)
-        for key in ("dx", "dweight", "dbias"):
-            if first[key] is not None:
-                assert torch.equal(first[key], second[key]), f"{key} differs between runs"
+        check_deterministic(op, inputs)
         wide = torch.randn(shape[0], shape[1] + 8, dtype=dtype, device=device)
         inputs["x"] = wide[:, 8:]  # row stride N + 8: not a multiple of 16, no cp.async
         assert not smem.rows_fit(inputs["x"])

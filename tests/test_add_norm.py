@@ -47,12 +47,14 @@ def test_variants(run_on, executor, shape, variant, op):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("op,shape", [("add_layer_norm", (300, 16384)), ("add_layer_norm", (7, 12304)),
-                                      ("add_rms_norm", (133, 32768))], ids=str)  # fmt: skip
+                                      ("add_rms_norm", (133, 32768)), ("add_layer_norm", (33, 24576)),
+                                      ("add_rms_norm", (9, 65536))], ids=str)  # fmt: skip
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_backward_rows_in_shared_memory(run_on, op, shape, dtype):
-    """16-bit rows the shared-memory backward takes (config.SMEM_BWD, asserted): h's own gradient
-    added, the residual's gradient written (and not, without a residual); the first call of a
-    signature and the plan-served second match fp64 (same seeds' inputs, fresh each call)."""
+    """16-bit rows the shared-memory backward takes (config.SMEM_BWD, and rows in parts past it:
+    SMEM_SPLIT_BWD; asserted): h's own gradient added, the residual's gradient written (and not,
+    without a residual); the first call of a signature and the plan-served second match fp64 (same
+    seeds' inputs, fresh each call)."""
     from normkit.backends.cuda import config
 
     with run_on(Executor("cuda", "cuda"), dtype):

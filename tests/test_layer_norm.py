@@ -234,25 +234,30 @@ def test_rows_in_shared_memory(run_on, shape, dtype, op, affine):
 
 # The backward's rows in shared memory (config.SMEM_BWD): 16-bit rows of 8193-32768 elements whose
 # dweight / dbias partials fit the registers; rows not a multiple of the 8192-element buffer too.
-SMEM_BWD_CASES = [  # (op, shape, weight, bias)
-    ("layer_norm", (1, 9232), True, True), ("layer_norm", (7, 12304), True, True),
-    ("layer_norm", (300, 16384), True, True), ("layer_norm", (133, 32768), True, False),
-    ("layer_norm", (5, 32768), False, False), ("rms_norm", (300, 16384), True, False),
-    ("rms_norm", (133, 32768), True, False), ("rms_norm", (2, 20000), False, False),
+SMEM_BWD_CASES = [  # (op, shape, weight, bias, rows in parts: config.SMEM_SPLIT_BWD on the H100)
+    ("layer_norm", (1, 9232), True, True, False), ("layer_norm", (7, 12304), True, True, False),
+    ("layer_norm", (300, 16384), True, True, False), ("layer_norm", (133, 32768), True, False, False),
+    ("layer_norm", (5, 32768), False, False, False), ("rms_norm", (300, 16384), True, False, False),
+    ("rms_norm", (133, 32768), True, False, False), ("rms_norm", (2, 20000), False, False, False),
+    ("layer_norm", (3, 24576), True, True, True), ("layer_norm", (257, 40000), True, True, True),
+    ("layer_norm", (4, 131072), True, True, True), ("layer_norm", (2, 270336), False, True, True),
+    ("rms_norm", (61, 65536), True, False, True), ("rms_norm", (1, 135168), False, False, True),
 ]  # fmt: skip
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("op,shape,weight,bias", SMEM_BWD_CASES, ids=str)
-def test_backward_rows_in_shared_memory(run_on, op, shape, weight, bias, dtype):
-    """The shared-memory backward (chosen for these cases, asserted) matches fp64 in dx, dweight and
-    dbias, twice over bitwise equal; rows whose stride is off 16 take another backward and match too."""
+@pytest.mark.parametrize("op,shape,weight,bias,parted", SMEM_BWD_CASES, ids=str)
+def test_backward_rows_in_shared_memory(run_on, op, shape, weight, bias, parted, dtype):
+    """The shared-memory backward (chosen for these cases, asserted; with rows in parts where said:
+    K programs a row exchanging tagged row terms) matches fp64 in dx, dweight and dbias, twice over
+    bitwise equal; rows whose stride is off 16 take another backward and match too."""
     from normkit.backends.cuda import config, smem
 
     with run_on(Executor("cuda", "cuda"), dtype):
         device = torch.device("cuda")
-        assert config.backward(*shape, dtype, device, op == "rms_norm", True, weight + bias).smem
+        cfg = config.backward(*shape, dtype, device, op == "rms_norm", True, weight + bias)
+        assert cfg.smem and (cfg.parts > 1) == parted, cfg
         check_case(op, shape, 1, dtype, device, weight=weight, bias=bias,
                    seed=zlib.crc32(f"{shape}{op}{weight}{bias}".encode()))  # fmt: skip
         inputs = make_inputs(op, shape, 1, dtype, device, weight, bias, seed=4)

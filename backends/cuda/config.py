@@ -199,7 +199,8 @@ class LaunchConfig:
     maxnreg: int = MAX_REGISTERS  # register cap per thread the kernel is compiled with (split rows)
     prefetch: bool = False  # backward: load the next row tile (fused; split: the next row's chunk,
     # and publish its partials) during this one; shared-memory rows: one spare buffer
-    smem: bool = False  # rows resident in shared memory (smem.py), split = buffers a row
+    smem: bool = False  # rows resident in shared memory (smem.py), split = buffers a row (or row part)
+    parts: int = 1  # shared-memory rows: programs sharing one row, one part each; grid = row groups x parts
 
 
 @functools.lru_cache(maxsize=64)
@@ -365,6 +366,33 @@ def smem_backward(M: int, N: int, dtype: torch.dtype, device: torch.device,
     return _smem_config(M, N, dtype, device, chunk, warps, 2)  # a buffer of x and one of dy
 
 
+# Rows past one program's room in the backward (16-bit): K = cdiv(N, CHUNKS x CHUNK) co-resident programs
+# share a row, each streaming its part of x and dy through shared memory two rows deep and keeping its
+# part's partials in registers; they exchange the row terms as tagged words (smem.publish / gather).
+# (chunk elements, buffers a part, num_warps). H100, bf16, M * N = 2^27, the kernel plus the partial
+# sum, GPU time, fraction of copy, against the production backward before it in the same process
+# (perf-notes v26): 8192 x 2 at 8 warps with the spare buffer: LayerNorm 32768-262144 0.79-0.83 vs
+# split rows 0.58-0.74 (24576: 0.73 vs 0.70); RMSNorm 65536-262144 0.87-0.89 vs 0.67-0.74;
+# add_layer_norm 32768-262144 0.84-0.87 vs 0.66-0.81 (24576: 0.77 vs 0.78); add_rms_norm 0.90-0.91
+# vs 0.73-0.81. Other settings: no spare buffer 0.73-0.88, 4096 x 4 0.76-0.85, 8192 x 3 (RMSNorm)
+# 0.77-0.79, 16 warps 0.73-0.87. RMSNorm 32768 read 0.88 either way: the one-program kernel keeps it.
+SMEM_SPLIT_BWD = (8192, 2, 8)
+
+
+def smem_split_backward(M: int, N: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig | None:
+    """Row-norm backward with each row shared by K programs in shared memory (:data:`SMEM_SPLIT_BWD`),
+    or None: :func:`_smem_config`'s conditions for a part's x and dy (two rows deep), or more parts a
+    row than SMs. Grid = groups x K <= SMs (one program per SM: the programs of a row are co-resident,
+    as coop.py's); ``split`` = buffers a part, ``parts`` = K."""
+    chunk, chunks, warps = SMEM_SPLIT_BWD
+    K = triton.cdiv(N, chunk * chunks)
+    cfg = _smem_config(M, 2 * chunks * chunk, dtype, device, chunk, warps, 2)
+    if cfg is None or K > sm_count(device):
+        return None
+    groups = max(1, min(M, sm_count(device) // K))
+    return replace(cfg, grid=(groups * K,), split=chunks, parts=K)
+
+
 def _smem_config(M: int, N: int, dtype: torch.dtype, device: torch.device, chunk: int, warps: int,
                  streams: int) -> LaunchConfig | None:  # fmt: skip
     """What :func:`smem_row` and :func:`smem_backward` share: None off a CUDA device of compute
@@ -429,7 +457,11 @@ def backward(M: int, N: int, dtype: torch.dtype, device: torch.device, is_rms: b
     cfg = smem_ok and smem_backward(M, N, dtype, device, partials)
     if cfg:
         return cfg
-    if block <= _fused_max(FUSED_MAX_N_BWD[is_rms, dtype.itemsize >= 4], dtype):
+    fused = block <= _fused_max(FUSED_MAX_N_BWD[is_rms, dtype.itemsize >= 4], dtype)
+    cfg = smem_ok and not fused and smem_split_backward(M, N, dtype, device)
+    if cfg:
+        return cfg
+    if fused:
         entry = next(e for e in FUSED_BWD[is_rms, dtype.itemsize >= 4] if block <= e.max_n)
         rows = max(1, min(MAX_ROWS_PER_PROGRAM, entry.tile_elements // block, triton.next_power_of_2(M)))
         grid = min(entry.programs_per_sm * sm_count(device), triton.cdiv(M, rows))

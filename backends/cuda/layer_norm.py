@@ -917,6 +917,177 @@ def _bwd_smem_kernel(
         gl.store(DB_part + out, db.to(DB_part.dtype.element_ty), mask=cols < N)
 
 
+@smem.jit
+def _smem_row_terms(bx, bdy, W, cols, N, mean, base, layout: gl.constexpr, WAIT: gl.constexpr,
+                    CHUNK: gl.constexpr, CHUNKS: gl.constexpr, NBUF: gl.constexpr, IS_RMS: gl.constexpr,
+                    HAS_W: gl.constexpr):  # fmt: skip
+    """A row part's sums of (x - mean) * w * dy and of w * dy (LayerNorm; 0.0 for RMSNorm) over its
+    CHUNKS buffers (chunk c in buffer (base + c) % NBUF), waiting for each to land: WAIT - c copy
+    groups may still be pending after chunk c. ``cols``: chunk 0's columns (W's)."""
+    a1 = gl.zeros_like(cols.to(gl.float32))
+    a2 = a1
+    if HAS_W:
+        w = gl.load(W + cols, mask=cols < N, other=0.0)
+    for c in gl.static_range(CHUNKS):
+        if HAS_W and c + 1 < CHUNKS:
+            w_next = gl.load(W + cols + (c + 1) * CHUNK, mask=cols + (c + 1) * CHUNK < N, other=0.0)
+        cp.wait_group(WAIT - c)
+        at = (base + c) % NBUF
+        x = bx.index(at).load(layout).to(gl.float32)
+        wdy = bdy.index(at).load(layout).to(gl.float32)
+        if HAS_W:
+            wdy = wdy * w.to(gl.float32)
+        a1 += (x - mean) * wdy
+        if not IS_RMS:
+            a2 += wdy
+        if HAS_W and c + 1 < CHUNKS:
+            w = w_next
+    s2 = 0.0
+    if not IS_RMS:
+        s2 = gl.sum(a2, axis=0)
+    return gl.sum(a1, axis=0), s2
+
+
+@smem.jit
+def _bwd_smem_split_kernel(
+    X,  # (M, N) 16-bit normalized rows (h for the add-norms), 16-byte aligned; row stride stride_x
+    DY,  # (M, N) output gradient rows, X's dtype, aligned alike; row stride stride_dy
+    DH,  # (M, N) incoming gradient of h (read when HAS_DH); row stride stride_dh
+    DX,  # (M, N) out: gradient of the forward's x; row stride stride_dx
+    DRES,  # (M, N) out: gradient of the residual (written when HAS_DRES); row stride stride_dres
+    W,  # (N,) weight (unread unless HAS_W)
+    Mean,  # (M,) fp32 forward row means (unread when IS_RMS)
+    Rstd,  # (M,) fp32
+    Terms,  # (M, 2, KP) int64, zeroed: part k's two row terms of each row, tagged (smem.publish)
+    DW_part,  # (G, N) out: row g = row group g's sum of dy * xhat (written when HAS_W)
+    DB_part,  # (G, N) out: row g = row group g's sum of dy (written when HAS_DB)
+    stride_x,  # a multiple of 16, as stride_dy
+    stride_dy,
+    stride_dh,
+    stride_dx,
+    stride_dres,
+    M,
+    N,  # a multiple of 16 in ((K - 1) * CHUNKS * CHUNK, K * CHUNKS * CHUNK]
+    K,  # parts a row: program pid holds part pid % K (from column k * CHUNKS * CHUNK) of group pid // K
+    CHUNK: gl.constexpr,  # columns per shared-memory buffer
+    CHUNKS: gl.constexpr,  # buffers a row part (of x, and of dy)
+    SPARE: gl.constexpr,  # extra buffers (0 or 1) of each
+    KP: gl.constexpr,  # next_pow2(K)
+    IS_RMS: gl.constexpr,
+    HAS_W: gl.constexpr,
+    HAS_DB: gl.constexpr,
+    HAS_DH: gl.constexpr,
+    HAS_DRES: gl.constexpr,
+):
+    """``_bwd_smem_kernel`` for rows past one program's room: K co-resident programs share a row
+    (grid = groups x K <= SMs, one program per SM), each streaming its part of x and dy through
+    shared memory two rows deep (2 * CHUNKS + SPARE buffers) and keeping its part's dweight / dbias
+    partials in registers. Per row step: the next row's part terms are summed as its chunks land and
+    published (smem.publish), then this row's K terms (published by the partners a step earlier;
+    their load started before the next row's terms) are gathered, and dx of this row is written
+    while its buffers take the row after next."""
+    NW: gl.constexpr = gl.num_warps()
+    VEC: gl.constexpr = 8  # 16 bytes of 16-bit values per thread and copy
+    ROWS: gl.constexpr = smem.next_pow2(CHUNKS)
+    parts: gl.constexpr = gl.BlockedLayout([ROWS, VEC], [1, 32], [1, NW], [1, 0])
+    layout: gl.constexpr = gl.SliceLayout(0, parts)
+    small: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+    NBUF: gl.constexpr = 2 * CHUNKS + SPARE
+    pid = gl.program_id(0)
+    groups = gl.num_programs(0) // K
+    group = pid // K
+    k = pid % K
+    offs = gl.arange(0, CHUNK, layout=layout)
+    col0 = k * (CHUNKS * CHUNK) + offs  # chunk 0's columns of this program's part
+    bx = smem.buffers(X.dtype.element_ty, NBUF, CHUNK)
+    bdy = smem.buffers(DY.dtype.element_ty, NBUF, CHUNK)
+    # the stream: chunk g (g // CHUNKS-th row of the group, its chunk g % CHUNKS) in buffer g % NBUF
+    for g in gl.static_range(NBUF):
+        smem.copy_chunk(bx.index(g), X, group + g // CHUNKS * groups, M, N, stride_x,
+                        col0 + g % CHUNKS * CHUNK, bdy.index(g), DY, stride_dy)  # fmt: skip
+    chunk_of = gl.expand_dims(gl.arange(0, ROWS, layout=gl.SliceLayout(1, parts)), 1)  # [ROWS, 1]
+    dw = gl.zeros([ROWS, CHUNK], gl.float32, parts)
+    db = gl.zeros([ROWS, CHUNK], gl.float32, parts)
+    inv_n = 1.0 / N.to(gl.float32)
+    # the group's first row: its terms from the prologue's copies (NBUF groups committed)
+    mean = 0.0
+    if not IS_RMS:
+        mean = gl.load(Mean + group)
+    t1, t2 = _smem_row_terms(bx, bdy, W, col0, N, mean, 0, layout, NBUF - 1, CHUNK, CHUNKS, NBUF, IS_RMS,
+                             HAS_W)  # fmt: skip
+    smem.publish(Terms + group * (2 * KP) + k, t1)
+    if not IS_RMS:
+        smem.publish(Terms + group * (2 * KP) + KP + k, t2)
+    base = pid * 0  # buffer of this row's chunk 0
+    for row in range(group, M, groups):
+        r64 = row.to(gl.int64)
+        mine = Terms + r64 * (2 * KP)
+        # this row's terms: their load in flight during the next row's terms
+        w1 = smem.request(mine, K, KP, small)
+        w2 = w1
+        if not IS_RMS:
+            w2 = smem.request(mine + KP, K, KP, small)
+        rstd = gl.load(Rstd + row)
+        if not IS_RMS:
+            mean = gl.load(Mean + row)
+        nxt = row + groups
+        if nxt < M:
+            mean_n = 0.0
+            if not IS_RMS:
+                mean_n = gl.load(Mean + nxt)
+            # committed: NBUF + CHUNKS a row done; after the next row's chunk c: CHUNKS + SPARE - 1 - c
+            n1, n2 = _smem_row_terms(bx, bdy, W, col0, N, mean_n, (base + CHUNKS) % NBUF, layout,
+                                     CHUNKS + SPARE - 1, CHUNK, CHUNKS, NBUF, IS_RMS, HAS_W)  # fmt: skip
+            smem.publish(Terms + nxt.to(gl.int64) * (2 * KP) + k, n1)
+            if not IS_RMS:
+                smem.publish(Terms + nxt.to(gl.int64) * (2 * KP) + KP + k, n2)
+        c1 = smem.gather(w1, mine, K, KP, small) * rstd * inv_n
+        if IS_RMS:
+            c2 = 0.0
+        else:
+            c2 = smem.gather(w2, mine + KP, K, KP, small) * inv_n
+        if HAS_W:
+            w = gl.load(W + col0, mask=col0 < N, other=0.0)
+        for c in gl.static_range(CHUNKS):
+            cols = col0 + c * CHUNK
+            mask = cols < N
+            at = (base + c) % NBUF
+            x = bx.index(at).load(layout)
+            dy = bdy.index(at).load(layout)
+            if HAS_W and c + 1 < CHUNKS:
+                w_next = gl.load(W + cols + CHUNK, mask=cols + CHUNK < N, other=0.0)
+            # the stream's chunk NBUF later takes this buffer: chunk (c + SPARE) % CHUNKS of the row
+            # 2 + (c + SPARE) // CHUNKS rows on
+            smem.copy_chunk(bx.index(at), X, row + (2 + (c + SPARE) // CHUNKS) * groups, M, N, stride_x,
+                            col0 + (c + SPARE) % CHUNKS * CHUNK, bdy.index(at), DY, stride_dy)  # fmt: skip
+            xhat = (x.to(gl.float32) - mean) * rstd
+            dy = dy.to(gl.float32)
+            if HAS_W:
+                wdy = dy * w.to(gl.float32)
+            else:
+                wdy = dy
+            d = (wdy - (xhat * c1 + c2)) * rstd
+            if HAS_DH:
+                d += gl.load(DH + r64 * stride_dh + cols, mask=mask, other=0.0).to(gl.float32)
+            if HAS_DRES:
+                gl.store(DRES + r64 * stride_dres + cols, d.to(DRES.dtype.element_ty), mask=mask)
+            gl.store(DX + r64 * stride_dx + cols, d.to(DX.dtype.element_ty), mask=mask)
+            if HAS_W:
+                dw = gl.where(chunk_of == c, dw + gl.expand_dims(dy * xhat, 0), dw)
+            if HAS_DB:
+                db = gl.where(chunk_of == c, db + gl.expand_dims(dy, 0), db)
+            if HAS_W and c + 1 < CHUNKS:
+                w = w_next
+        base = (base + CHUNKS) % NBUF
+    cp.wait_group(0)
+    cols = chunk_of * CHUNK + gl.expand_dims(col0, 0)
+    out = group * N + cols
+    if HAS_W:
+        gl.store(DW_part + out, dw.to(DW_part.dtype.element_ty), mask=cols < N)
+    if HAS_DB:
+        gl.store(DB_part + out, db.to(DB_part.dtype.element_ty), mask=cols < N)
+
+
 def _dropout_args(dropout_p, seed):
     """(seed, p, scale) kernel arguments; dropout is compiled out when p == 0."""
     return (seed, dropout_p, 1.0 / (1.0 - dropout_p)) if dropout_p > 0 else (0, 0.0, 1.0)
@@ -972,16 +1143,33 @@ def _smem_meta(cfg, flags) -> dict:
 
 
 def _smem_bwd_meta(cfg, flags) -> dict:
-    """Launch keywords of ``_bwd_smem_kernel`` from its config and the backward's flags, HAS_DH aside."""
+    """(kernel, launch keywords) of the shared-memory backward config ``cfg`` (``_bwd_smem_kernel``,
+    or ``_bwd_smem_split_kernel`` for rows in parts) and the backward's flags, HAS_DH aside."""
     keep = ("IS_RMS", "HAS_W", "HAS_DB", "HAS_DRES", "num_warps")
     meta = dict(CHUNK=cfg.block_size, CHUNKS=cfg.split, SPARE=int(cfg.prefetch))
-    return dict(meta, **{k: flags[k] for k in keep})
+    meta.update({k: flags[k] for k in keep})
+    if cfg.parts > 1:
+        return _bwd_smem_split_kernel, dict(meta, KP=triton.next_power_of_2(cfg.parts))
+    return _bwd_smem_kernel, meta
+
+
+def _smem_bwd_args(cfg, M, device) -> tuple:
+    """The shared-memory backward's arguments between rstd and the partials: the rows in parts' zeroed
+    tagged-term workspace, or none."""
+    if cfg.parts > 1:
+        return (smem.terms_workspace(M, 2, triton.next_power_of_2(cfg.parts), device),)
+    return ()
+
+
+def _smem_bwd_tail(cfg) -> tuple:
+    """The shared-memory backward's trailing arguments after M, N: K for rows in parts."""
+    return (cfg.parts,) if cfg.parts > 1 else ()
 
 
 def _partial_rows(cfg) -> int:
-    """dweight / dbias partial rows a backward config writes: one a program, but one a row group for
-    split rows."""
-    return cfg.grid[0] if cfg.smem else cfg.grid[0] // cfg.split
+    """dweight / dbias partial rows a backward config writes: one a program (one a row group for
+    split rows and for shared-memory rows in parts)."""
+    return cfg.grid[0] // cfg.parts if cfg.smem else cfg.grid[0] // cfg.split
 
 
 def plan_row_norm(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtype=None, grad=False):
@@ -1076,7 +1264,7 @@ def _plan_backward(M, N, dtype, device, weight, bias, is_rms, x_dtype, residual_
         meta = dict(ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size, PREFETCH=cfg.prefetch)
         kernel = _bwd_fused_kernel
     elif cfg.smem:
-        meta, kernel, flags = _smem_bwd_meta(cfg, flags), _bwd_smem_kernel, {}
+        (kernel, meta), flags = _smem_bwd_meta(cfg, flags), {}
     else:
         meta, kernel = coop.split_meta(cfg), _bwd_split_kernel
     kernels = [Bound(kernel, cfg.grid, device.index, HAS_DH=has_dh, **meta, **flags)
@@ -1096,7 +1284,8 @@ def _plan_backward(M, N, dtype, device, weight, bias, is_rms, x_dtype, residual_
         if cfg.fused:
             kernels[dh is not None](*head, *parts, N, N, N, N, N, M, N, 0, 0.0, 1.0)
         elif cfg.smem:
-            kernels[dh is not None](*head, *parts, N, N, N, N, N, M, N)
+            kernels[dh is not None](*head, *_smem_bwd_args(cfg, M, xn.device), *parts, N, N, N, N, N, M, N,
+                                    *_smem_bwd_tail(cfg))  # fmt: skip
         else:
             work = coop.workspace(M, 2, cfg.split, acc, xn.device)
             kernels[dh is not None](*head, *work, *parts, N, N, N, N, N, M, N, cfg.split, 1, 0, 0.0, 1.0)
@@ -1146,9 +1335,10 @@ def _backward(dy, x, weight, mean, rstd, bias_dtype, is_rms, dh=None, x_dtype=No
             ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size, PREFETCH=cfg.prefetch, **flags,
         )  # fmt: skip
     elif cfg.smem:
-        launch(_bwd_smem_kernel, cfg.grid,
-            x, dy, dh_, dx, dres_, w, mean, rstd, dw_part, db_part, *strides, M, N, key=key,
-            HAS_DH=dh is not None, **_smem_bwd_meta(cfg, flags),
+        kernel, meta = _smem_bwd_meta(cfg, flags)
+        launch(kernel, cfg.grid,
+            x, dy, dh_, dx, dres_, w, mean, rstd, *_smem_bwd_args(cfg, M, x.device), dw_part, db_part,
+            *strides, M, N, *_smem_bwd_tail(cfg), key=key, HAS_DH=dh is not None, **meta,
         )  # fmt: skip
     elif cfg.split > 1:
         part, count = coop.workspace(M, 2, cfg.split, acc, x.device)

@@ -166,6 +166,43 @@ def next_base(base, CHUNKS: gl.constexpr, SPARE: gl.constexpr):
     return (base + CHUNKS) % (CHUNKS + SPARE)
 
 
+# --- a row shared by K programs: tagged row terms ---------------------------------------------
+# Rows too long for one program's shared memory and registers are cut into K parts, one program
+# each; a part's row terms (partial sums) are exchanged through a zeroed int64 workspace, each term
+# in its own word with a ready tag in the high half (:func:`publish`). One load of the K words both
+# finds them written and reads them (:func:`gather`), where a counter barrier needs an acquire
+# poll and then the loads (perf-notes v26). Every program of a row sums the same K words in the same
+# order, so they agree bitwise.
+@jit
+def publish(Terms, value):
+    """Write fp32 scalar ``value`` to the int64 word ``Terms`` with its ready tag (one 8-byte store:
+    a reader sees the zeroed word or the whole term)."""
+    bits = value.to(gl.int32, bitcast=True).to(gl.int64) & 0xFFFFFFFF
+    gl.store(Terms, bits | 4294967296)  # the ready tag: bit 32 (the workspace is zeroed before the launch)
+
+
+@jit
+def request(Terms, K, KP: gl.constexpr, layout: gl.constexpr):
+    """Start loading the K tagged words ``Terms[0:K]`` (past K: a written zero); :func:`gather`
+    finishes. Volatile: read at L2, never from a stale L1 line."""
+    ks = gl.arange(0, KP, layout=layout)
+    return gl.load(Terms + ks, mask=ks < K, other=4294967296, volatile=True)
+
+
+@jit
+def gather(words, Terms, K, KP: gl.constexpr, layout: gl.constexpr):
+    """The sum over k (in k's order) of the K terms at ``Terms``, ``words`` their first load
+    (:func:`request`); loads again until every word carries the ready tag."""
+    while gl.min((words >> 32).to(gl.int32), axis=0) == 0:
+        words = request(Terms, K, KP, layout)
+    return gl.sum(words.to(gl.int32).to(gl.float32, bitcast=True), axis=0)
+
+
+def terms_workspace(M: int, terms: int, KP: int, device) -> torch.Tensor:
+    """The zeroed (M, terms, KP) int64 words of one launch's tagged row terms."""
+    return torch.zeros((M, terms, KP), dtype=torch.int64, device=device)
+
+
 def fits(N: int, stride: int, ptr: int) -> bool:
     """Whether rows of this layout can be copied by 16-byte ``cp.async``: Triton vectorizes the copy
     only where it knows the row starts and N to be multiples of 16 elements (its divisibility

@@ -108,9 +108,11 @@ def check_large_mean(inputs, dtype, rows=1):
 
 
 @pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("executor,shape", executor_params([((130, 1023),)], [((1151, 4096),)]))
+@pytest.mark.parametrize("executor,shape",
+                         executor_params([((130, 1023),)], [((1151, 4096),), ((64, 65536),)]))  # fmt: skip
 def test_fp32_weight_with_half_input(run_on, executor, shape, op):
-    """fp32 weights with bf16 activations: output in bf16, dweight in fp32."""
+    """fp32 weights with bf16 activations: output in bf16, dweight in fp32 (on the GPU at 65536 the
+    backward's rows in parts hold the fp32 weight in shared memory)."""
     with run_on(executor, torch.bfloat16):
         inputs = make_inputs(op, shape, 1, torch.bfloat16, executor.device)
         for key in ("weight", "bias"):

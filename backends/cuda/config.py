@@ -367,15 +367,16 @@ def smem_backward(M: int, N: int, dtype: torch.dtype, device: torch.device,
 
 
 # Rows past one program's room in the backward (16-bit): K = cdiv(N, CHUNKS x CHUNK) co-resident programs
-# share a row, each streaming its part of x and dy through shared memory two rows deep and keeping its
-# part's partials in registers; they exchange the row terms as tagged words (smem.publish / gather).
-# (chunk elements, buffers a part, num_warps). H100, bf16, M * N = 2^27, the kernel plus the partial
-# sum, GPU time, fraction of copy, against the production backward before it in the same process
-# (perf-notes v26): 8192 x 2 at 8 warps with the spare buffer: LayerNorm 32768-262144 0.79-0.83 vs
-# split rows 0.58-0.74 (24576: 0.73 vs 0.70); RMSNorm 65536-262144 0.87-0.89 vs 0.67-0.74;
-# add_layer_norm 32768-262144 0.84-0.87 vs 0.66-0.81 (24576: 0.77 vs 0.78); add_rms_norm 0.90-0.91
-# vs 0.73-0.81. Other settings: no spare buffer 0.73-0.88, 4096 x 4 0.76-0.85, 8192 x 3 (RMSNorm)
-# 0.77-0.79, 16 warps 0.73-0.87. RMSNorm 32768 read 0.88 either way: the one-program kernel keeps it.
+# share a row, each streaming its part of x and dy through shared memory two rows deep, holding its part
+# of the weight there too and its part's partials in registers; they exchange the row terms as tagged
+# words (smem.publish / gather). (chunk elements, buffers a part, num_warps). H100, M * N = 2^27, the
+# kernel plus the partial sum, GPU time, fraction of copy, against the production backward before it in
+# the same process, bf16 / fp16 (perf-notes v26): 8192 x 2 at 8 warps, spare buffer: LayerNorm
+# 32768-262144 0.85-0.87 vs split rows 0.58-0.74 (24576: 0.81 vs 0.69); RMSNorm 65536-262144 0.93 vs
+# 0.67-0.75; add_layer_norm 24576-262144 0.86-0.89 vs 0.66-0.82; add_rms_norm 0.93 vs 0.74-0.81.
+# With the weight re-read from L2 instead: LayerNorm 0.78-0.83, RMSNorm 0.86-0.89. Other settings (weight
+# from L2): no spare buffer 0.73-0.88, 4096 x 4 0.76-0.85, 8192 x 3 (RMSNorm) 0.77-0.79, 16 warps
+# 0.73-0.87.
 SMEM_SPLIT_BWD = (8192, 2, 8)
 
 
@@ -386,7 +387,8 @@ def smem_split_backward(M: int, N: int, dtype: torch.dtype, device: torch.device
     as coop.py's); ``split`` = buffers a part, ``parts`` = K."""
     chunk, chunks, warps = SMEM_SPLIT_BWD
     K = triton.cdiv(N, chunk * chunks)
-    cfg = _smem_config(M, 2 * chunks * chunk, dtype, device, chunk, warps, 2)
+    # two rows of the part, x and dy; beside them the part of the weight (room for an fp32 one)
+    cfg = _smem_config(M, 2 * chunks * chunk, dtype, device, chunk, warps, 2, chunks * chunk * 4)
     if cfg is None or K > sm_count(device):
         return None
     groups = max(1, min(M, sm_count(device) // K))
@@ -394,18 +396,18 @@ def smem_split_backward(M: int, N: int, dtype: torch.dtype, device: torch.device
 
 
 def _smem_config(M: int, N: int, dtype: torch.dtype, device: torch.device, chunk: int, warps: int,
-                 streams: int) -> LaunchConfig | None:  # fmt: skip
-    """What :func:`smem_row` and :func:`smem_backward` share: None off a CUDA device of compute
-    capability 8.0+ (``cp.async``), without Gluon (smem.AVAILABLE), for other than 16-bit rows, or
-    where a row of ``streams`` tensors in CHUNK-element buffers does not fit one program's shared
-    memory; else one program per SM (grid min(M, SMs)), ``split`` = buffers a row, ``prefetch``:
-    one spare buffer (of each stream) where it fits."""
+                 streams: int, held: int = 0) -> LaunchConfig | None:  # fmt: skip
+    """What :func:`smem_row`, :func:`smem_backward` and :func:`smem_split_backward` share: None off a
+    CUDA device of compute capability 8.0+ (``cp.async``), without Gluon (smem.AVAILABLE), for other
+    than 16-bit rows, or where a row of ``streams`` tensors in CHUNK-element buffers does not fit one
+    program's shared memory beside ``held`` bytes; else one program per SM (grid min(M, SMs)),
+    ``split`` = buffers a row, ``prefetch``: one spare buffer (of each stream) where it fits."""
     if device.type != "cuda" or dtype.itemsize != 2 or not smem.AVAILABLE:
         return None
     if torch.cuda.get_device_capability(device) < (8, 0):
         return None
     chunks = triton.cdiv(N, chunk)
-    room = smem.smem_per_block(device) - SMEM_RESERVE
+    room = smem.smem_per_block(device) - SMEM_RESERVE - held
     buffer = streams * chunk * dtype.itemsize
     if chunks * buffer > room:
         return None

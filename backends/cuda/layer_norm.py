@@ -918,30 +918,24 @@ def _bwd_smem_kernel(
 
 
 @smem.jit
-def _smem_row_terms(bx, bdy, W, cols, N, mean, base, layout: gl.constexpr, WAIT: gl.constexpr,
+def _smem_row_terms(bx, bdy, bw, mean, base, layout: gl.constexpr, WAIT: gl.constexpr,
                     CHUNK: gl.constexpr, CHUNKS: gl.constexpr, NBUF: gl.constexpr, IS_RMS: gl.constexpr,
                     HAS_W: gl.constexpr):  # fmt: skip
     """A row part's sums of (x - mean) * w * dy and of w * dy (LayerNorm; 0.0 for RMSNorm) over its
-    CHUNKS buffers (chunk c in buffer (base + c) % NBUF), waiting for each to land: WAIT - c copy
-    groups may still be pending after chunk c. ``cols``: chunk 0's columns (W's)."""
-    a1 = gl.zeros_like(cols.to(gl.float32))
+    CHUNKS buffers (chunk c in buffer (base + c) % NBUF; w's chunk c in bw's buffer c), waiting for
+    each to land: WAIT - c copy groups may still be pending after chunk c."""
+    a1 = gl.zeros([CHUNK], gl.float32, layout)
     a2 = a1
-    if HAS_W:
-        w = gl.load(W + cols, mask=cols < N, other=0.0)
     for c in gl.static_range(CHUNKS):
-        if HAS_W and c + 1 < CHUNKS:
-            w_next = gl.load(W + cols + (c + 1) * CHUNK, mask=cols + (c + 1) * CHUNK < N, other=0.0)
         cp.wait_group(WAIT - c)
         at = (base + c) % NBUF
         x = bx.index(at).load(layout).to(gl.float32)
         wdy = bdy.index(at).load(layout).to(gl.float32)
         if HAS_W:
-            wdy = wdy * w.to(gl.float32)
+            wdy = wdy * bw.index(c).load(layout).to(gl.float32)
         a1 += (x - mean) * wdy
         if not IS_RMS:
             a2 += wdy
-        if HAS_W and c + 1 < CHUNKS:
-            w = w_next
     s2 = 0.0
     if not IS_RMS:
         s2 = gl.sum(a2, axis=0)
@@ -1001,6 +995,11 @@ def _bwd_smem_split_kernel(
     col0 = k * (CHUNKS * CHUNK) + offs  # chunk 0's columns of this program's part
     bx = smem.buffers(X.dtype.element_ty, NBUF, CHUNK)
     bdy = smem.buffers(DY.dtype.element_ty, NBUF, CHUNK)
+    bw = bx  # unread without a weight
+    if HAS_W:  # the part's weight, read every row: held in shared memory, not re-read from L2
+        bw = smem.buffers(W.dtype.element_ty, CHUNKS, CHUNK)
+        for c in gl.static_range(CHUNKS):
+            bw.index(c).store(gl.load(W + col0 + c * CHUNK, mask=col0 + c * CHUNK < N, other=0.0))
     # the stream: chunk g (g // CHUNKS-th row of the group, its chunk g % CHUNKS) in buffer g % NBUF
     for g in gl.static_range(NBUF):
         smem.copy_chunk(bx.index(g), X, group + g // CHUNKS * groups, M, N, stride_x,
@@ -1013,8 +1012,7 @@ def _bwd_smem_split_kernel(
     mean = 0.0
     if not IS_RMS:
         mean = gl.load(Mean + group)
-    t1, t2 = _smem_row_terms(bx, bdy, W, col0, N, mean, 0, layout, NBUF - 1, CHUNK, CHUNKS, NBUF, IS_RMS,
-                             HAS_W)  # fmt: skip
+    t1, t2 = _smem_row_terms(bx, bdy, bw, mean, 0, layout, NBUF - 1, CHUNK, CHUNKS, NBUF, IS_RMS, HAS_W)
     smem.publish(Terms + group * (2 * KP) + k, t1)
     if not IS_RMS:
         smem.publish(Terms + group * (2 * KP) + KP + k, t2)
@@ -1036,8 +1034,8 @@ def _bwd_smem_split_kernel(
             if not IS_RMS:
                 mean_n = gl.load(Mean + nxt)
             # committed: NBUF + CHUNKS a row done; after the next row's chunk c: CHUNKS + SPARE - 1 - c
-            n1, n2 = _smem_row_terms(bx, bdy, W, col0, N, mean_n, (base + CHUNKS) % NBUF, layout,
-                                     CHUNKS + SPARE - 1, CHUNK, CHUNKS, NBUF, IS_RMS, HAS_W)  # fmt: skip
+            n1, n2 = _smem_row_terms(bx, bdy, bw, mean_n, (base + CHUNKS) % NBUF, layout, CHUNKS + SPARE - 1,
+                                     CHUNK, CHUNKS, NBUF, IS_RMS, HAS_W)  # fmt: skip
             smem.publish(Terms + nxt.to(gl.int64) * (2 * KP) + k, n1)
             if not IS_RMS:
                 smem.publish(Terms + nxt.to(gl.int64) * (2 * KP) + KP + k, n2)
@@ -1046,16 +1044,12 @@ def _bwd_smem_split_kernel(
             c2 = 0.0
         else:
             c2 = smem.gather(w2, mine + KP, K, KP, small) * inv_n
-        if HAS_W:
-            w = gl.load(W + col0, mask=col0 < N, other=0.0)
         for c in gl.static_range(CHUNKS):
             cols = col0 + c * CHUNK
             mask = cols < N
             at = (base + c) % NBUF
             x = bx.index(at).load(layout)
             dy = bdy.index(at).load(layout)
-            if HAS_W and c + 1 < CHUNKS:
-                w_next = gl.load(W + cols + CHUNK, mask=cols + CHUNK < N, other=0.0)
             # the stream's chunk NBUF later takes this buffer: chunk (c + SPARE) % CHUNKS of the row
             # 2 + (c + SPARE) // CHUNKS rows on
             smem.copy_chunk(bx.index(at), X, row + (2 + (c + SPARE) // CHUNKS) * groups, M, N, stride_x,
@@ -1063,7 +1057,7 @@ def _bwd_smem_split_kernel(
             xhat = (x.to(gl.float32) - mean) * rstd
             dy = dy.to(gl.float32)
             if HAS_W:
-                wdy = dy * w.to(gl.float32)
+                wdy = dy * bw.index(c).load(layout).to(gl.float32)
             else:
                 wdy = dy
             d = (wdy - (xhat * c1 + c2)) * rstd
@@ -1076,8 +1070,6 @@ def _bwd_smem_split_kernel(
                 dw = gl.where(chunk_of == c, dw + gl.expand_dims(dy * xhat, 0), dw)
             if HAS_DB:
                 db = gl.where(chunk_of == c, db + gl.expand_dims(dy, 0), db)
-            if HAS_W and c + 1 < CHUNKS:
-                w = w_next
         base = (base + CHUNKS) % NBUF
     cp.wait_group(0)
     cols = chunk_of * CHUNK + gl.expand_dims(col0, 0)

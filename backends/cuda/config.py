@@ -343,8 +343,11 @@ def smem_row(M: int, N: int, dtype: torch.dtype, device: torch.device, kind: str
 # same process (perf-notes v25): LayerNorm N = 16384: 0.88 (8192 x 16 warps, spare buffer) vs split
 # rows 0.73 (4096-element chunks 0.82-0.84; partials in shared memory instead: 0.66-0.75, dbias's
 # alone 0.72-0.84); RMSNorm 16384: 0.94 vs the fused kernel's 0.76; 32768: 0.89 vs split rows 0.78.
-# Rows past 32768 are not measured.
-SMEM_BWD = (8192, 16, 8193, 32768)
+# Longer rows take rows in parts (SMEM_SPLIT_BWD), since 32768 too (perf-notes v26, same process):
+# RMSNorm 32768 0.88 here vs 0.92 in two parts, add_rms_norm 0.83 vs 0.92; 24576 stays (RMSNorm 0.91
+# vs 0.89), as LayerNorm 16384 (0.87 vs 0.82 in one part; add_layer_norm 0.83 vs 0.86 there, but the
+# config does not tell the add-norms apart) and RMSNorm 16384 (0.94 vs 0.77).
+SMEM_BWD = (8192, 16, 8193, 24576)
 # The registers bound the partials: next_pow2(chunks) rows for each of dweight / dbias, at most this
 # many rows in all (64 fp32 registers a thread at 16 warps; LayerNorm 16384 and RMSNorm 32768 build
 # to 128 registers with <= 24 bytes spilled, ptxas -v; one more row spills in earnest).

@@ -975,11 +975,11 @@ def _bwd_smem_split_kernel(
 ):
     """``_bwd_smem_kernel`` for rows past one program's room: K co-resident programs share a row
     (grid = groups x K <= SMs, one program per SM), each streaming its part of x and dy through
-    shared memory two rows deep (2 * CHUNKS + SPARE buffers) and keeping its part's dweight / dbias
-    partials in registers. Per row step: the next row's part terms are summed as its chunks land and
-    published (smem.publish), then this row's K terms (published by the partners a step earlier;
-    their load started before the next row's terms) are gathered, and dx of this row is written
-    while its buffers take the row after next."""
+    shared memory two rows deep (2 * CHUNKS + SPARE buffers), holding its part of the weight there
+    (loaded once) and its part's dweight / dbias partials in registers. Per row step: the next
+    row's part terms are summed as its chunks land and published (smem.publish), then this row's K
+    terms (published by the partners a step earlier; their load started before the next row's
+    terms) are gathered, and dx of this row is written while its buffers take the row after next."""
     NW: gl.constexpr = gl.num_warps()
     VEC: gl.constexpr = 8  # 16 bytes of 16-bit values per thread and copy
     ROWS: gl.constexpr = smem.next_pow2(CHUNKS)

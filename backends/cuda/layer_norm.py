@@ -796,6 +796,33 @@ def _bwd_split_kernel(
 
 
 @smem.jit
+def _smem_dx_chunk(x, dy, w, mean, rstd, c1, c2, DH, DX, DRES, r64, stride_dh, stride_dx, stride_dres, cols,
+                   mask, dw, db, chunk_of, c: gl.constexpr, HAS_W: gl.constexpr, HAS_DB: gl.constexpr,
+                   HAS_DH: gl.constexpr, HAS_DRES: gl.constexpr):  # fmt: skip
+    """The shared-memory backwards' step for chunk ``c`` of row ``r64`` (x, dy, w: its 16-bit values
+    read back; c1, c2: the row terms): dx (plus h's gradient) stored, the residual's gradient stored,
+    dy * xhat and dy added into chunk c's row of the [ROWS, CHUNK] partials dw / db, returned."""
+    xhat = (x.to(gl.float32) - mean) * rstd
+    dy = dy.to(gl.float32)
+    if HAS_W:
+        wdy = dy * w.to(gl.float32)
+    else:
+        wdy = dy
+    d = (wdy - (xhat * c1 + c2)) * rstd
+    if HAS_DH:
+        d += gl.load(DH + r64 * stride_dh + cols, mask=mask, other=0.0).to(gl.float32)
+    if HAS_DRES:
+        gl.store(DRES + r64 * stride_dres + cols, d.to(DRES.dtype.element_ty), mask=mask)
+    gl.store(DX + r64 * stride_dx + cols, d.to(DX.dtype.element_ty), mask=mask)
+    # chunk c's row of the partials (a select per register, resolved at compile time)
+    if HAS_W:
+        dw = gl.where(chunk_of == c, dw + gl.expand_dims(dy * xhat, 0), dw)
+    if HAS_DB:
+        db = gl.where(chunk_of == c, db + gl.expand_dims(dy, 0), db)
+    return dw, db
+
+
+@smem.jit
 def _bwd_smem_kernel(
     X,  # (M, N) 16-bit normalized rows (h for the add-norms), 16-byte aligned; row stride stride_x
     DY,  # (M, N) output gradient rows, X's dtype, aligned alike; row stride stride_dy
@@ -874,6 +901,7 @@ def _bwd_smem_kernel(
             c2 = 0.0
         else:
             c2 = gl.sum(a2, axis=0) * inv_n
+        w = zero  # unread without a weight
         if HAS_W:
             w = gl.load(W + offs, mask=offs < N, other=0.0)
         r64 = row.to(gl.int64)
@@ -888,23 +916,9 @@ def _bwd_smem_kernel(
                 w_next = gl.load(W + cols + CHUNK, mask=cols + CHUNK < N, other=0.0)
             # both buffers are free once read: the stream's next chunks land during this chunk's work
             smem.refill(sx, X, row, M, N, stride_x, offs, c, CHUNK, CHUNKS, SPARE, sdy, DY, stride_dy)
-            xhat = (x.to(gl.float32) - mean) * rstd
-            dy = dy.to(gl.float32)
-            if HAS_W:
-                wdy = dy * w.to(gl.float32)
-            else:
-                wdy = dy
-            d = (wdy - (xhat * c1 + c2)) * rstd
-            if HAS_DH:
-                d += gl.load(DH + r64 * stride_dh + cols, mask=mask, other=0.0).to(gl.float32)
-            if HAS_DRES:
-                gl.store(DRES + r64 * stride_dres + cols, d.to(DRES.dtype.element_ty), mask=mask)
-            gl.store(DX + r64 * stride_dx + cols, d.to(DX.dtype.element_ty), mask=mask)
-            # chunk c's row of the partials (a select per register, resolved at compile time)
-            if HAS_W:
-                dw = gl.where(chunk_of == c, dw + gl.expand_dims(dy * xhat, 0), dw)
-            if HAS_DB:
-                db = gl.where(chunk_of == c, db + gl.expand_dims(dy, 0), db)
+            dw, db = _smem_dx_chunk(x, dy, w, mean, rstd, c1, c2, DH, DX, DRES, r64, stride_dh, stride_dx,
+                                    stride_dres, cols, mask, dw, db, chunk_of, c, HAS_W, HAS_DB, HAS_DH,
+                                    HAS_DRES)  # fmt: skip
             if HAS_W and c + 1 < CHUNKS:
                 w = w_next
         base = smem.next_base(base, CHUNKS, SPARE)
@@ -1054,22 +1068,12 @@ def _bwd_smem_split_kernel(
             # 2 + (c + SPARE) // CHUNKS rows on
             smem.copy_chunk(bx.index(at), X, row + (2 + (c + SPARE) // CHUNKS) * groups, M, N, stride_x,
                             col0 + (c + SPARE) % CHUNKS * CHUNK, bdy.index(at), DY, stride_dy)  # fmt: skip
-            xhat = (x.to(gl.float32) - mean) * rstd
-            dy = dy.to(gl.float32)
+            w = x  # unread without a weight
             if HAS_W:
-                wdy = dy * bw.index(c).load(layout).to(gl.float32)
-            else:
-                wdy = dy
-            d = (wdy - (xhat * c1 + c2)) * rstd
-            if HAS_DH:
-                d += gl.load(DH + r64 * stride_dh + cols, mask=mask, other=0.0).to(gl.float32)
-            if HAS_DRES:
-                gl.store(DRES + r64 * stride_dres + cols, d.to(DRES.dtype.element_ty), mask=mask)
-            gl.store(DX + r64 * stride_dx + cols, d.to(DX.dtype.element_ty), mask=mask)
-            if HAS_W:
-                dw = gl.where(chunk_of == c, dw + gl.expand_dims(dy * xhat, 0), dw)
-            if HAS_DB:
-                db = gl.where(chunk_of == c, db + gl.expand_dims(dy, 0), db)
+                w = bw.index(c).load(layout)
+            dw, db = _smem_dx_chunk(x, dy, w, mean, rstd, c1, c2, DH, DX, DRES, r64, stride_dh, stride_dx,
+                                    stride_dres, cols, mask, dw, db, chunk_of, c, HAS_W, HAS_DB, HAS_DH,
+                                    HAS_DRES)  # fmt: skip
         base = (base + CHUNKS) % NBUF
     cp.wait_group(0)
     cols = chunk_of * CHUNK + gl.expand_dims(col0, 0)

@@ -141,10 +141,10 @@ def cmd_info(args) -> int:
 
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         print(f"launch configs for rows M={m}, N={n}, {args.dtype} (CUDA on {device}; contiguous rows,"
-              " 16-byte aligned, affine parameters):")  # fmt: skip
+              " 16-byte aligned, affine parameters in that dtype):")  # fmt: skip
         fit = n % 16 == 0  # smem.fits for such rows
-        for kind in ("layer_norm", "rms_norm", "add_norm", "softmax"):
-            cfg = cuda_config.forward(m, n, dtype, device, kind, fit and kind != "add_norm")
+        for kind, params in (("layer_norm", 2), ("rms_norm", 1), ("add_norm", 2), ("softmax", 0)):
+            cfg = cuda_config.forward(m, n, dtype, device, kind, fit, params * dtype.itemsize)
             print(f"  cuda forward   {cfg} ({kind})")
         for name, is_rms, grads in (("layer_norm", False, 2), ("rms_norm", True, 1)):
             cfg = cuda_config.backward(m, n, dtype, device, is_rms, fit, grads)

@@ -66,6 +66,27 @@ def test_backward_rows_in_shared_memory(run_on, op, shape, dtype):
                 check_add_norm_case(op, shape, dtype, device, residual=residual, seed=_seed(shape, op, call))
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("op,shape", [("add_layer_norm", (5, 65536)), ("add_layer_norm", (2, 270336)),
+                                      ("add_rms_norm", (3, 140000)), ("add_rms_norm", (67, 131072))],
+                         ids=str)  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_forward_rows_in_parts(run_on, op, shape, dtype):
+    """16-bit rows the forward shares among K programs (config.SMEM_SPLIT_FWD; asserted), each
+    streaming its part of x and of the residual: h stored and y match fp64, with and without a
+    residual, first call and plan-served second."""
+    from normkit.backends.cuda import config
+
+    with run_on(Executor("cuda", "cuda"), dtype):
+        device = torch.device("cuda")
+        held = (1 if op == "add_rms_norm" else 2) * dtype.itemsize
+        assert config.forward(*shape, dtype, device, "add_norm", True, held).parts > 1
+        for residual in (True, False):
+            for call in range(2):
+                check_add_norm_case(op, shape, dtype, device, residual=residual,
+                                    seed=_seed(shape, op, "fwd", call))  # fmt: skip
+
+
 @pytest.mark.parametrize("op", ADD_OPS)
 @pytest.mark.parametrize("executor,shape,dtype", executor_params(
     [((3, 1025), torch.float32), ((2, 40999), torch.bfloat16)],

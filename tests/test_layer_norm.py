@@ -275,6 +275,54 @@ def test_backward_rows_in_shared_memory(run_on, op, shape, weight, bias, parted,
                 assert_close(out[key], ref[key], dtype, "param", key, shape[0])
 
 
+FWD_PARTS_CASES = [  # (op, shape, weight, bias): forward rows in parts (config.SMEM_SPLIT_FWD on the H100)
+    ("layer_norm", (4, 131072), True, True), ("layer_norm", (2, 270336), False, True),
+    ("layer_norm", (9, 200000), True, False), ("layer_norm", (133, 131072), False, False),
+    ("rms_norm", (61, 131072), True, False), ("rms_norm", (1, 262144), False, False),
+    ("rms_norm", (3, 150000), True, False),
+]  # fmt: skip
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("op,shape,weight,bias", FWD_PARTS_CASES, ids=str)
+def test_forward_rows_in_parts(run_on, op, shape, weight, bias, dtype):
+    """Rows past one program's shared memory in the forward (K programs a row, each holding its
+    part and its part of the weight and bias, exchanging tagged row terms; chosen, asserted; parts
+    cut evenly where N is not a multiple of the part width): y (and through the backward dx,
+    dweight, dbias) match fp64, and two forwards are bitwise equal."""
+    from normkit.backends.cuda import config
+
+    with run_on(Executor("cuda", "cuda"), dtype):
+        device = torch.device("cuda")
+        held = (weight + bias) * dtype.itemsize
+        cfg = config.forward(*shape, dtype, device, op, True, held)
+        assert cfg.smem and cfg.parts > 1, cfg
+        assert cfg.parts * cfg.part >= shape[1] > (cfg.parts - 1) * cfg.part, cfg
+        check_case(op, shape, 1, dtype, device, weight=weight, bias=bias,
+                   seed=zlib.crc32(f"fwd{shape}{op}{weight}{bias}".encode()))  # fmt: skip
+        inputs = make_inputs(op, shape, 1, dtype, device, weight, bias, seed=6)
+        first = public_results(op, eps=1e-5, **inputs)
+        second = public_results(op, eps=1e-5, **inputs)
+        for key in ("y", "dx", "dweight", "dbias"):
+            if first[key] is not None:
+                assert torch.equal(first[key], second[key]), f"{key} differs between runs"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", [(8, 131072), (3, 200000)], ids=str)
+def test_forward_rows_in_parts_variance_survives_large_mean(run_on, shape):
+    """fp16 x = 1000 + randn through the forward in parts (Chan's merge of the parts' means and
+    squared deviations): rstd matches fp64 to 1e-5."""
+    from normkit.backends.cuda import config
+
+    with run_on(Executor("cuda", "cuda"), torch.float16):
+        device = torch.device("cuda")
+        assert config.forward(*shape, torch.float16, device, "layer_norm", True).parts > 1
+        inputs = make_inputs("layer_norm", shape, 1, torch.float16, device, mean=1e3, seed=7)
+        check_large_mean(inputs, torch.float16, rows=shape[0])
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("shape", [(300, 40000), (140, 114688)], ids=str)
 def test_shared_memory_variance_survives_large_mean(run_on, shape):

@@ -201,6 +201,8 @@ class LaunchConfig:
     # and publish its partials) during this one; shared-memory rows: one spare buffer
     smem: bool = False  # rows resident in shared memory (smem.py), split = buffers a row (or row part)
     parts: int = 1  # shared-memory rows: programs sharing one row, one part each; grid = row groups x parts
+    part: int = 0  # rows in parts (forward): columns a part, a multiple of 16 (runtime P)
+    depth: int = 2  # rows in parts (forward): rows of buffers a part
 
 
 @functools.lru_cache(maxsize=64)
@@ -281,12 +283,15 @@ def split_row(M: int, N: int, dtype: torch.dtype, device: torch.device, chunk: i
 
 @_memoized
 def forward(M: int, N: int, dtype: torch.dtype, device: torch.device, kind: str = "layer_norm",
-            smem_ok: bool = False) -> LaunchConfig:  # fmt: skip
+            smem_ok: bool = False, held: int = 0) -> LaunchConfig:  # fmt: skip
     """Row forward of ``kind`` (a ``SPLIT_FWD`` key: layer_norm, rms_norm, add_norm, softmax):
     fused (rows in registers), rows resident in shared memory (``smem_ok``: the caller checked
-    ``smem.fits``; see :func:`smem_row`), split rows or looped (one program per row, two reads of x)."""
+    ``smem.fits`` for every streamed tensor; see :func:`smem_row`) or shared by K programs in shared
+    memory (:func:`smem_split_forward`; ``held``: bytes a column of the weight and bias), split rows
+    or looped (one program per row, two reads of x)."""
     cfg = _row_sweep(M, N, dtype, FUSED_MAX_N_FWD)
-    cfg = (smem_ok and smem_row(M, N, dtype, device, kind)) or cfg
+    parted = smem_ok and smem_split_forward(M, N, dtype, device, kind, held)
+    cfg = parted or (smem_ok and smem_row(M, N, dtype, device, kind)) or cfg
     if not (cfg.fused or cfg.smem):
         cfg = split_row(M, N, dtype, device, *SPLIT_FWD[dtype.itemsize >= 4, kind]) or cfg
     return cfg
@@ -417,6 +422,50 @@ def _smem_config(M: int, N: int, dtype: torch.dtype, device: torch.device, chunk
     spare = (chunks + 1) * buffer <= room
     grid = (min(M, sm_count(device)),)
     return LaunchConfig(chunk, warps, 1, grid, False, chunks, prefetch=spare, smem=True)
+
+
+# Rows in parts, forward (16-bit row norms; layer_norm._fwd_smem_split_kernel): K = cdiv(N, width)
+# co-resident programs share a row, each streaming its part (x, and the residual for the add-norms)
+# through shared memory DEPTH rows deep and holding its part of the weight and bias there,
+# exchanging tagged row terms. Per kind: (shortest row, settings (chunk elements, buffers a part,
+# num_warps, depth) tried in order until one fits beside the weight and bias). H100, bf16, M * N =
+# 2^27, the kernel alone, GPU time, fraction of copy at N = 65536 / 131072 / 262144, against the
+# production forward in the same process (perf-notes v27):
+# - layer_norm: 16384 x 1, 3 deep: 0.855 / 0.861 / 0.870 (8192 x 2: 0.840 / 0.840 / 0.849; 2 deep
+#   0.80; 16 warps 0.82-0.83) vs 0.891 (one program) / 0.710 / 0.677 (split rows).
+# - rms_norm: 8192 x 3, 3 deep: 0.915 / 0.931 / 0.936 (16384 x 1: 0.908-0.918) vs 0.938 / 0.879 / 0.839.
+# - Parts narrower than the buffers cost: cut evenly into more parts (65536 = 6 x 10928 of 16384)
+#   LayerNorm read 0.70-0.72, RMSNorm 0.77-0.79 (a program's time a row is its buffers', not its
+#   columns'); 8192-column parts 0.68-0.75.
+# - softmax / log_softmax in parts (max and sum terms) read 0.60-0.77 / 0.75-0.82 against 0.78-0.87 /
+#   0.81-0.90: not used.
+SMEM_SPLIT_FWD = {
+    "layer_norm": (131072, ((16384, 1, 8, 3), (8192, 2, 8, 3))),
+    "rms_norm": (131072, ((8192, 3, 8, 3), (16384, 1, 8, 3), (8192, 2, 8, 3))),
+    "add_norm": (65536, ((8192, 2, 8, 2), (4096, 4, 8, 2), (4096, 2, 8, 2))),
+}
+
+
+def smem_split_forward(M: int, N: int, dtype: torch.dtype, device: torch.device, kind: str,
+                       held: int = 0) -> LaunchConfig | None:  # fmt: skip
+    """Row forward with each row shared by K programs in shared memory (:data:`SMEM_SPLIT_FWD`), or
+    None: a kind without the path, a row shorter than the kind's shortest, or no setting meeting
+    :func:`_smem_config`'s conditions for DEPTH rows of a part (of x, and of the residual for
+    "add_norm") beside ``held`` bytes a column (the part's weight and bias). K = cdiv(N, width), P
+    = N / K rounded up to 16 (``split`` = buffers a part, ``parts`` = K, ``part`` = P, ``depth``);
+    grid = groups x K <= SMs, one program per SM."""
+    if kind not in SMEM_SPLIT_FWD or N < SMEM_SPLIT_FWD[kind][0]:
+        return None
+    streams = 2 if kind == "add_norm" else 1
+    for chunk, chunks, warps, depth in SMEM_SPLIT_FWD[kind][1]:
+        width = chunk * chunks
+        K = triton.cdiv(N, width)
+        cfg = _smem_config(M, depth * width, dtype, device, chunk, warps, streams, width * held)
+        if cfg is not None and K <= sm_count(device):
+            P = triton.cdiv(triton.cdiv(N, K), 16) * 16
+            groups = max(1, min(M, sm_count(device) // K))
+            return replace(cfg, grid=(groups * K,), split=triton.cdiv(P, chunk), parts=K, part=P, depth=depth)
+    return None
 
 
 @_memoized

@@ -9,7 +9,10 @@ alignment):
   persistent grid whose programs keep their dweight/dbias partial sums in registers.
 - shared memory (16-bit, aligned rows; Gluon, smem.py): one program per SM streams its rows
   through shared-memory buffers: the forward for rows up to ~114 K elements, the backward (x and dy
-  together, its dweight/dbias partials in registers) up to 32768.
+  together, its dweight/dbias partials in registers) up to 24576. Longer rows are shared by K
+  programs ("rows in parts"), each streaming its part of the rows and holding its part of the
+  weight (and bias) in shared memory, exchanging tagged row terms (smem.publish / collect): the
+  forward (the add-norms' too) from 65536-131072 columns, the backward from 32768.
 - split rows (coop.py): co-resident programs share a row and exchange partial statistics.
 - looped: rows longer than the register budget loop over column tiles. Forward: one program per
   row, a statistics sweep (Chan's merge of per-tile mean/M2) then a normalize sweep. Backward: a
@@ -441,6 +444,166 @@ def _fwd_smem_kernel(
                 if HAS_B:
                     b = b_next
         base = smem.next_base(base, CHUNKS, SPARE)
+    cp.wait_group(0)
+
+
+@smem.jit
+def _part_values(bx, br, H, at, layout: gl.constexpr, ADD: gl.constexpr, HAS_R: gl.constexpr):
+    """The values normalized from buffer ``at``, fp32: x, or for the add-norms h = x + residual
+    rounded to h's dtype (as stored), formed again at each read."""
+    v = bx.index(at).load(layout).to(gl.float32)
+    if ADD:
+        if HAS_R:
+            v = v + br.index(at).load(layout).to(gl.float32)
+        v = v.to(H.dtype.element_ty).to(gl.float32)
+    return v
+
+
+@smem.jit
+def _fwd_part_terms(bx, br, H, base, valid, inv_count, layout: gl.constexpr, WAIT: gl.constexpr,
+                    CHUNK: gl.constexpr, CHUNKS: gl.constexpr, NBUF: gl.constexpr, IS_RMS: gl.constexpr,
+                    ADD: gl.constexpr, HAS_R: gl.constexpr):  # fmt: skip
+    """A row part's terms from its CHUNKS buffers (chunk c in buffer (base + c) % NBUF; ``valid``:
+    chunk 0's columns inside the part, shifted by c * CHUNK for chunk c), waiting for each to land
+    (WAIT - c copy groups may still be pending after chunk c): RMSNorm the sum of squares (and 0.0);
+    LayerNorm the part's mean and its squared deviations about it (a second read of the buffers)."""
+    acc = gl.zeros([CHUNK], gl.float32, layout)
+    for c in gl.static_range(CHUNKS):
+        cp.wait_group(WAIT - c)
+        v = _part_values(bx, br, H, (base + c) % NBUF, layout, ADD, HAS_R)
+        acc += v * v if IS_RMS else v  # columns outside the part landed as zeros (h: 0 + 0)
+    t1 = gl.sum(acc, axis=0)
+    t2 = 0.0
+    if not IS_RMS:
+        t1 = t1 * inv_count
+        acc = gl.zeros([CHUNK], gl.float32, layout)
+        for c in gl.static_range(CHUNKS):
+            v = _part_values(bx, br, H, (base + c) % NBUF, layout, ADD, HAS_R)
+            d = gl.where(valid - c * CHUNK > 0, v - t1, 0.0)
+            acc += d * d
+        t2 = gl.sum(acc, axis=0)
+    return t1, t2
+
+
+@smem.jit
+def _fwd_smem_split_kernel(
+    X,  # (M, N) 16-bit input rows, 16-byte aligned; row stride stride_x (a multiple of 16)
+    R,  # (M, N) residual rows, X's dtype, aligned alike (read when ADD and HAS_R)
+    H,  # (M, N) out: h (written when ADD); row stride stride_h
+    Y,  # (M, N) out: the output rows; row stride stride_y
+    W,  # (N,) weight (unread unless HAS_W)
+    B,  # (N,) bias (unread unless HAS_B)
+    Mean,  # (M,) fp32 out (unwritten when IS_RMS)
+    Rstd,  # (M,) fp32 out
+    Terms,  # (M, 2, KP) int64, zeroed: part k's row terms of each row, tagged (smem.publish)
+    stride_x,
+    stride_r,
+    stride_h,
+    stride_y,
+    M,
+    N,  # a multiple of 16
+    K,  # parts a row: program pid holds part pid % K (columns [k * P, min(N, (k + 1) * P))) of group pid // K
+    P,  # columns a part, a multiple of 16 in ((CHUNKS - 1) * CHUNK, CHUNKS * CHUNK]; N <= K * P
+    eps,
+    CHUNK: gl.constexpr,  # columns per shared-memory buffer
+    CHUNKS: gl.constexpr,  # buffers a row part
+    SPARE: gl.constexpr,  # extra buffers (0 or 1)
+    DEPTH: gl.constexpr,  # rows of buffers (2 or 3): a row's copies start DEPTH - 1 row steps early
+    KP: gl.constexpr,  # next_pow2(K)
+    IS_RMS: gl.constexpr,
+    HAS_W: gl.constexpr,
+    HAS_B: gl.constexpr,
+    ADD: gl.constexpr,  # normalize h = x + residual, stored to H
+    HAS_R: gl.constexpr,
+):
+    """Row forward for rows past one program's room: K co-resident programs share a row (grid =
+    groups x K <= SMs, one program per SM), each streaming its part of the rows (and of the
+    residual's) through shared memory DEPTH rows deep (smem.open_parts) and holding its part of the
+    weight and bias there (loaded once). Per row step: the next row's part terms are taken as its
+    chunks land and published (smem.publish); this row's K terms (published by the partners a
+    step earlier, their load started before) are gathered and merged (Chan's formula for
+    LayerNorm), and the row part is normalized and stored while its buffers take the row after
+    next. Every part merges the same words in the same order: the same statistics bitwise."""
+    NW: gl.constexpr = gl.num_warps()
+    VEC: gl.constexpr = 8  # 16 bytes of 16-bit values per thread and copy
+    layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [NW], [0])
+    small: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+    NBUF: gl.constexpr = DEPTH * CHUNKS + SPARE
+    PAIR: gl.constexpr = ADD and HAS_R
+    pid = gl.program_id(0)
+    groups = gl.num_programs(0) // K
+    group = pid // K
+    k = pid % K
+    offs = gl.arange(0, CHUNK, layout=layout)
+    end = gl.minimum(N, (k + 1) * P)
+    col0 = k * P + offs  # chunk 0's columns of this program's part
+    valid = end - col0  # > c * CHUNK: chunk c's column is in the part
+    inv_count = 1.0 / (end - k * P).to(gl.float32)
+    bx, br = smem.open_parts(X, M, stride_x, group, groups, end, col0, CHUNK, CHUNKS, NBUF,
+                             R if PAIR else None, stride_r)  # fmt: skip
+    bw = bx  # unread without a weight (bias)
+    if HAS_W:
+        bw = smem.hold(W, col0, end, CHUNK, CHUNKS)
+    bb = bx
+    if HAS_B:
+        bb = smem.hold(B, col0, end, CHUNK, CHUNKS)
+    ks = gl.arange(0, KP, layout=small)
+    counts = gl.minimum(gl.maximum(N - ks * P, 0), P).to(gl.float32)  # columns of each part
+    inv_n = 1.0 / N.to(gl.float32)
+    # the group's first row: its terms from the prologue's copies (NBUF groups committed)
+    t1, t2 = _fwd_part_terms(bx, br, H, 0, valid, inv_count, layout, NBUF - 1, CHUNK, CHUNKS, NBUF, IS_RMS,
+                             ADD, HAS_R)  # fmt: skip
+    smem.publish(Terms + group * (2 * KP) + k, t1)
+    if not IS_RMS:
+        smem.publish(Terms + group * (2 * KP) + KP + k, t2)
+    base = pid * 0  # buffer of this row's chunk 0
+    for row in range(group, M, groups):
+        r64 = row.to(gl.int64)
+        mine = Terms + r64 * (2 * KP)
+        # this row's terms: their load in flight during the next row's terms
+        w1 = smem.request(mine, K, KP, small)
+        w2 = w1
+        if not IS_RMS:
+            w2 = smem.request(mine + KP, K, KP, small)
+        nxt = row + groups
+        if nxt < M:
+            # committed: NBUF + CHUNKS a row done; after the next row's chunk c: CHUNKS + SPARE - 1 - c
+            n1, n2 = _fwd_part_terms(bx, br, H, (base + CHUNKS) % NBUF, valid, inv_count, layout,
+                                     (DEPTH - 1) * CHUNKS + SPARE - 1, CHUNK, CHUNKS, NBUF, IS_RMS, ADD,
+                                     HAS_R)  # fmt: skip
+            smem.publish(Terms + nxt.to(gl.int64) * (2 * KP) + k, n1)
+            if not IS_RMS:
+                smem.publish(Terms + nxt.to(gl.int64) * (2 * KP) + KP + k, n2)
+        if IS_RMS:
+            mean = 0.0
+            rstd = gl.rsqrt(smem.gather(w1, mine, K, KP, small) * inv_n + eps)
+        else:
+            # Chan's merge of the parts' (mean, squared deviations), in k's order
+            means = smem.collect(w1, mine, K, KP, small)
+            m2 = smem.gather(w2, mine + KP, K, KP, small)
+            mean = gl.sum(counts * means, axis=0) * inv_n
+            dm = means - mean
+            rstd = gl.rsqrt((m2 + gl.sum(counts * dm * dm, axis=0)) * inv_n + eps)
+        if k == 0:
+            gl.store(Rstd + row, rstd)
+            if not IS_RMS:
+                gl.store(Mean + row, mean)
+        for c in gl.static_range(CHUNKS):
+            cols = col0 + c * CHUNK
+            mask = cols < end
+            at = (base + c) % NBUF
+            v = _part_values(bx, br, H, at, layout, ADD, HAS_R)
+            smem.refill_part(bx, at, X, row, groups, M, end, stride_x, col0, c, CHUNK, CHUNKS, SPARE,
+                             DEPTH, br if PAIR else None, R if PAIR else None, stride_r)  # fmt: skip
+            if ADD:
+                gl.store(H + r64 * stride_h + cols, v.to(H.dtype.element_ty), mask=mask)
+            y = (v - mean) * rstd
+            if HAS_W:
+                y = y * bw.index(c).load(layout).to(gl.float32)
+            if HAS_B:
+                y = y + bb.index(c).load(layout).to(gl.float32)
+            gl.store(Y + r64 * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+        base = (base + CHUNKS) % NBUF
     cp.wait_group(0)
 
 
@@ -1094,7 +1257,8 @@ def _forward(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtype=Non
     """-> (y, h or None, mean, rstd); h = dropout(x) + residual is formed and normalized if add."""
     M, N = x.shape
     kind = "add_norm" if add else "rms_norm" if is_rms else "layer_norm"
-    cfg = config.forward(M, N, x.dtype, x.device, kind, smem.rows_fit(x))
+    smem_ok = _smem_fwd_ok(x, residual, add, dropout_p)
+    cfg = config.forward(M, N, x.dtype, x.device, kind, smem_ok, _held(weight, bias))
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     h = torch.empty((M, N), dtype=h_dtype, device=x.device) if add else None
     rstd = torch.empty(M, dtype=config.acc_dtype(x.dtype), device=x.device)
@@ -1118,6 +1282,10 @@ def _forward(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtype=Non
     if cfg.fused:
         launch(_fwd_fused_kernel, cfg.grid, *args, M, N, eps, tail, *drop, key=key, ROWS=cfg.rows_per_program,
                                     BLOCK_N=cfg.block_size, **flags)  # fmt: skip
+    elif cfg.smem and cfg.parts > 1:
+        terms = smem.terms_workspace(M, 2, triton.next_power_of_2(cfg.parts), x.device)
+        launch(_fwd_smem_split_kernel, cfg.grid, *args[:8], terms, *args[8:], M, N, cfg.parts, cfg.part, eps,
+               key=key, **_smem_meta(cfg, flags))  # fmt: skip
     elif cfg.smem:
         launch(_fwd_smem_kernel, cfg.grid, x, args[4], args[5], y, mean, rstd, x.stride(0), y.stride(0), M, N,
                eps, key=key, **_smem_meta(cfg, flags))  # fmt: skip
@@ -1132,10 +1300,30 @@ def _forward(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtype=Non
 
 
 def _smem_meta(cfg, flags) -> dict:
-    """Launch keywords of ``_fwd_smem_kernel`` from its config and the forward's flags."""
-    one_pass = cfg.split <= config.SMEM_ONE_PASS_MAX_CHUNKS
-    return dict(CHUNK=cfg.block_size, CHUNKS=cfg.split, SPARE=int(cfg.prefetch), ONE_PASS=one_pass,
-                IS_RMS=flags["IS_RMS"], HAS_W=flags["HAS_W"], HAS_B=flags["HAS_B"], num_warps=cfg.num_warps)
+    """Launch keywords of ``_fwd_smem_kernel`` (``_fwd_smem_split_kernel`` for rows in parts) from its
+    config and the forward's flags."""
+    meta = dict(CHUNK=cfg.block_size, CHUNKS=cfg.split, SPARE=int(cfg.prefetch), IS_RMS=flags["IS_RMS"],
+                HAS_W=flags["HAS_W"], HAS_B=flags["HAS_B"], num_warps=cfg.num_warps)  # fmt: skip
+    if cfg.parts > 1:
+        return dict(meta, KP=triton.next_power_of_2(cfg.parts), DEPTH=cfg.depth, ADD=flags["ADD"],
+                    HAS_R=flags["HAS_R"])
+    return dict(meta, ONE_PASS=cfg.split <= config.SMEM_ONE_PASS_MAX_CHUNKS)
+
+
+def _smem_fwd_ok(x, residual, add, dropout_p=0.0) -> bool:
+    """Whether the forward's streamed rows may take the shared-memory kernels (config decides):
+    x's rows fit ``smem.fits``, and for the add-norms there is no dropout and the residual (if any)
+    has x's dtype and fits too."""
+    if not smem.rows_fit(x):
+        return False
+    if not add:
+        return True
+    return dropout_p == 0 and (residual is None or (residual.dtype == x.dtype and smem.rows_fit(residual)))
+
+
+def _held(weight, bias) -> int:
+    """Bytes a column of the weight and bias (held in shared memory by the rows in parts)."""
+    return sum(t.element_size() for t in (weight, bias) if t is not None)
 
 
 def _smem_bwd_meta(cfg, flags) -> dict:
@@ -1185,7 +1373,7 @@ def plan_row_norm(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtyp
     aligned. The parameter gradients have shape (N,)."""
     M, N = x.shape
     kind = "add_norm" if add else "rms_norm" if is_rms else "layer_norm"
-    cfg = config.forward(M, N, x.dtype, x.device, kind, not add and smem.rows_fit(x))
+    cfg = config.forward(M, N, x.dtype, x.device, kind, _smem_fwd_ok(x, residual, add), _held(weight, bias))
     if x.device.type != "cuda" or not (cfg.fused or cfg.smem or cfg.split > 1):
         return None
     if grad:
@@ -1201,7 +1389,8 @@ def plan_row_norm(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtyp
         bound = Bound(_fwd_fused_kernel, cfg.grid, x.device.index, ROWS=cfg.rows_per_program,
                       BLOCK_N=cfg.block_size, STATS=grad, **flags)  # fmt: skip
     elif cfg.smem:
-        bound = Bound(_fwd_smem_kernel, cfg.grid, x.device.index, **_smem_meta(cfg, flags))
+        fn = _fwd_smem_split_kernel if cfg.parts > 1 else _fwd_smem_kernel
+        bound = Bound(fn, cfg.grid, x.device.index, **_smem_meta(cfg, flags))
     else:
         bound = Bound(_fwd_split_kernel, cfg.grid, x.device.index, **coop.split_meta(cfg), **flags)
     tail = config.eps_tail(eps, x.device)
@@ -1212,6 +1401,9 @@ def plan_row_norm(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtyp
                 N, N, N, N)  # fmt: skip
         if cfg.fused:
             bound(*head, M, N, eps, tail, 0, 0.0, 1.0)
+        elif cfg.smem and cfg.parts > 1:
+            terms = smem.terms_workspace(M, 2, triton.next_power_of_2(cfg.parts), x.device)
+            bound(*head[:8], terms, *head[8:], M, N, cfg.parts, cfg.part, eps)
         elif cfg.smem:
             bound(x, head[4], head[5], y, mean, rstd, N, N, M, N, eps)
         else:

@@ -13,7 +13,9 @@ buffer, also the first chunk of the row after it) are therefore in flight throug
 statistics and output, with no barrier between programs and no re-read from L2
 (docs/perf-notes.md v23, v24). The row-norm backward streams x and dy the same way, as a pair
 (:func:`open_pair`: one copy group a chunk of both), and keeps its dweight / dbias partials in
-registers (perf-notes v25).
+registers (perf-notes v25). Rows longer than that are shared by K co-resident programs, one part
+each, that exchange their parts' row terms as tagged words (:func:`publish`, :func:`collect`;
+:func:`open_parts` streams a part several rows deep; perf-notes v26, v27).
 
 Plain Triton cannot place a tensor in shared memory, so these kernels are written in Gluon
 (``triton.experimental.gluon``), Triton's lower-level dialect. Gluon's API is still changing:
@@ -190,12 +192,69 @@ def request(Terms, K, KP: gl.constexpr, layout: gl.constexpr):
 
 
 @jit
-def gather(words, Terms, K, KP: gl.constexpr, layout: gl.constexpr):
-    """The sum over k (in k's order) of the K terms at ``Terms``, ``words`` their first load
-    (:func:`request`); loads again until every word carries the ready tag."""
+def collect(words, Terms, K, KP: gl.constexpr, layout: gl.constexpr):
+    """The K fp32 terms at ``Terms`` ([KP], 0.0 past K), ``words`` their first load (:func:`request`);
+    loads again until every word carries the ready tag."""
     while gl.min((words >> 32).to(gl.int32), axis=0) == 0:
         words = request(Terms, K, KP, layout)
-    return gl.sum(words.to(gl.int32).to(gl.float32, bitcast=True), axis=0)
+    return words.to(gl.int32).to(gl.float32, bitcast=True)
+
+
+@jit
+def gather(words, Terms, K, KP: gl.constexpr, layout: gl.constexpr):
+    """The sum over k (in k's order) of the K terms at ``Terms`` (:func:`collect`)."""
+    return gl.sum(collect(words, Terms, K, KP, layout), axis=0)
+
+
+# A program's part of the rows: columns [k * P, end) of rows group, group + groups, ... (end =
+# min(N, (k + 1) * P)), streamed through NBUF = DEPTH * CHUNKS + SPARE buffers, DEPTH rows deep:
+# chunk g of the stream (chunk g % CHUNKS of the stream's row g // CHUNKS) in buffer g % NBUF. One
+# cp.async group a chunk (of both tensors of a pair), in stream order.
+@jit
+def open_parts(X, M, stride_x, group, groups, end, col0, CHUNK: gl.constexpr, CHUNKS: gl.constexpr,
+               NBUF: gl.constexpr, X2=None, stride_2=None):  # fmt: skip
+    """Allocate the part's NBUF buffers of X (and of X2, for a pair; else X's again) and start its
+    stream: its first NBUF chunks. ``col0``: the part's first CHUNK
+    column offsets (in the reads' layout). Returns (X's buffers, X2's buffers)."""
+    bx = buffers(X.dtype.element_ty, NBUF, CHUNK)
+    b2 = bx
+    if X2 is not None:
+        b2 = buffers(X2.dtype.element_ty, NBUF, CHUNK)
+    for g in gl.static_range(NBUF):
+        row = group + g // CHUNKS * groups
+        cols = col0 + g % CHUNKS * CHUNK
+        if X2 is None:
+            copy_chunk(bx.index(g), X, row, M, end, stride_x, cols)
+        else:
+            copy_chunk(bx.index(g), X, row, M, end, stride_x, cols, b2.index(g), X2, stride_2)
+    return bx, b2
+
+
+@jit
+def refill_part(bx, at, X, row, groups, M, end, stride_x, col0, c: gl.constexpr, CHUNK: gl.constexpr,
+                CHUNKS: gl.constexpr, SPARE: gl.constexpr, DEPTH: gl.constexpr, b2=None, X2=None,
+                stride_2=None):  # fmt: skip
+    """Chunk ``c`` of ``row`` has been read from buffer ``at`` (of X, and of X2 for a pair) of a
+    stream DEPTH rows deep (NBUF = DEPTH * CHUNKS + SPARE): start the copy of the stream's chunk NBUF
+    later into it, chunk (c + SPARE) % CHUNKS of the row DEPTH + (c + SPARE) // CHUNKS rows of the
+    group on."""
+    nxt = row + (DEPTH + (c + SPARE) // CHUNKS) * groups
+    cols = col0 + (c + SPARE) % CHUNKS * CHUNK
+    if X2 is None:
+        copy_chunk(bx.index(at), X, nxt, M, end, stride_x, cols)
+    else:
+        copy_chunk(bx.index(at), X, nxt, M, end, stride_x, cols, b2.index(at), X2, stride_2)
+
+
+@jit
+def hold(W, col0, end, CHUNK: gl.constexpr, CHUNKS: gl.constexpr):
+    """The part's columns of the (N,) vector W (a weight, read every row) in CHUNKS shared-memory
+    buffers, loaded once (zeros past ``end``); each thread reads back what it stored."""
+    bw = buffers(W.dtype.element_ty, CHUNKS, CHUNK)
+    for c in gl.static_range(CHUNKS):
+        cols = col0 + c * CHUNK
+        bw.index(c).store(gl.load(W + cols, mask=cols < end, other=0.0))
+    return bw
 
 
 def terms_workspace(M: int, terms: int, KP: int, device) -> torch.Tensor:

@@ -567,7 +567,8 @@ def _fwd_smem_split_kernel(
             w2 = smem.request(mine + KP, K, KP, small)
         nxt = row + groups
         if nxt < M:
-            # committed: NBUF + CHUNKS a row done; after the next row's chunk c: CHUNKS + SPARE - 1 - c
+            # committed: NBUF + CHUNKS a row done; after the next row's chunk c: (DEPTH - 1) * CHUNKS
+            # + SPARE - 1 - c
             n1, n2 = _fwd_part_terms(bx, br, H, (base + CHUNKS) % NBUF, valid, inv_count, layout,
                                      (DEPTH - 1) * CHUNKS + SPARE - 1, CHUNK, CHUNKS, NBUF, IS_RMS, ADD,
                                      HAS_R)  # fmt: skip

@@ -553,18 +553,13 @@ def _fwd_smem_split_kernel(
     # the group's first row: its terms from the prologue's copies (NBUF groups committed)
     t1, t2 = _fwd_part_terms(bx, br, H, 0, valid, inv_count, layout, NBUF - 1, CHUNK, CHUNKS, NBUF, IS_RMS,
                              ADD, HAS_R)  # fmt: skip
-    smem.publish(Terms + group * (2 * KP) + k, t1)
-    if not IS_RMS:
-        smem.publish(Terms + group * (2 * KP) + KP + k, t2)
+    smem.publish_pair(Terms + group * (2 * KP), k, t1, t2, KP, not IS_RMS)
     base = pid * 0  # buffer of this row's chunk 0
     for row in range(group, M, groups):
         r64 = row.to(gl.int64)
         mine = Terms + r64 * (2 * KP)
         # this row's terms: their load in flight during the next row's terms
-        w1 = smem.request(mine, K, KP, small)
-        w2 = w1
-        if not IS_RMS:
-            w2 = smem.request(mine + KP, K, KP, small)
+        w1, w2 = smem.request_pair(mine, K, KP, small, not IS_RMS)
         nxt = row + groups
         if nxt < M:
             # committed: NBUF + CHUNKS a row done; after the next row's chunk c: (DEPTH - 1) * CHUNKS
@@ -572,9 +567,7 @@ def _fwd_smem_split_kernel(
             n1, n2 = _fwd_part_terms(bx, br, H, (base + CHUNKS) % NBUF, valid, inv_count, layout,
                                      (DEPTH - 1) * CHUNKS + SPARE - 1, CHUNK, CHUNKS, NBUF, IS_RMS, ADD,
                                      HAS_R)  # fmt: skip
-            smem.publish(Terms + nxt.to(gl.int64) * (2 * KP) + k, n1)
-            if not IS_RMS:
-                smem.publish(Terms + nxt.to(gl.int64) * (2 * KP) + KP + k, n2)
+            smem.publish_pair(Terms + nxt.to(gl.int64) * (2 * KP), k, n1, n2, KP, not IS_RMS)
         if IS_RMS:
             mean = 0.0
             rstd = gl.rsqrt(smem.gather(w1, mine, K, KP, small) * inv_n + eps)
@@ -1191,18 +1184,13 @@ def _bwd_smem_split_kernel(
     if not IS_RMS:
         mean = gl.load(Mean + group)
     t1, t2 = _smem_row_terms(bx, bdy, bw, mean, 0, layout, NBUF - 1, CHUNK, CHUNKS, NBUF, IS_RMS, HAS_W)
-    smem.publish(Terms + group * (2 * KP) + k, t1)
-    if not IS_RMS:
-        smem.publish(Terms + group * (2 * KP) + KP + k, t2)
+    smem.publish_pair(Terms + group * (2 * KP), k, t1, t2, KP, not IS_RMS)
     base = pid * 0  # buffer of this row's chunk 0
     for row in range(group, M, groups):
         r64 = row.to(gl.int64)
         mine = Terms + r64 * (2 * KP)
         # this row's terms: their load in flight during the next row's terms
-        w1 = smem.request(mine, K, KP, small)
-        w2 = w1
-        if not IS_RMS:
-            w2 = smem.request(mine + KP, K, KP, small)
+        w1, w2 = smem.request_pair(mine, K, KP, small, not IS_RMS)
         rstd = gl.load(Rstd + row)
         if not IS_RMS:
             mean = gl.load(Mean + row)
@@ -1214,9 +1202,7 @@ def _bwd_smem_split_kernel(
             # committed: NBUF + CHUNKS a row done; after the next row's chunk c: CHUNKS + SPARE - 1 - c
             n1, n2 = _smem_row_terms(bx, bdy, bw, mean_n, (base + CHUNKS) % NBUF, layout, CHUNKS + SPARE - 1,
                                      CHUNK, CHUNKS, NBUF, IS_RMS, HAS_W)  # fmt: skip
-            smem.publish(Terms + nxt.to(gl.int64) * (2 * KP) + k, n1)
-            if not IS_RMS:
-                smem.publish(Terms + nxt.to(gl.int64) * (2 * KP) + KP + k, n2)
+            smem.publish_pair(Terms + nxt.to(gl.int64) * (2 * KP), k, n1, n2, KP, not IS_RMS)
         c1 = smem.gather(w1, mine, K, KP, small) * rstd * inv_n
         if IS_RMS:
             c2 = 0.0

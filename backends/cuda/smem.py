@@ -206,6 +206,26 @@ def gather(words, Terms, K, KP: gl.constexpr, layout: gl.constexpr):
     return gl.sum(collect(words, Terms, K, KP, layout), axis=0)
 
 
+@jit
+def publish_pair(Terms, k, t1, t2, KP: gl.constexpr, TWO: gl.constexpr):
+    """Publish part ``k``'s row terms to the row's words ``Terms`` ((2, KP): t1 in the first KP,
+    t2 in the second, written only when TWO)."""
+    publish(Terms + k, t1)
+    if TWO:
+        publish(Terms + KP + k, t2)
+
+
+@jit
+def request_pair(Terms, K, KP: gl.constexpr, layout: gl.constexpr, TWO: gl.constexpr):
+    """:func:`request` the row's K words of t1 (and of t2 when TWO; else the t1 words again) at
+    ``Terms`` ((2, KP), as :func:`publish_pair`)."""
+    w1 = request(Terms, K, KP, layout)
+    w2 = w1
+    if TWO:
+        w2 = request(Terms + KP, K, KP, layout)
+    return w1, w2
+
+
 # A program's part of the rows: columns [k * P, end) of rows group, group + groups, ... (end =
 # min(N, (k + 1) * P)), streamed through NBUF = DEPTH * CHUNKS + SPARE buffers, DEPTH rows deep:
 # chunk g of the stream (chunk g % CHUNKS of the stream's row g // CHUNKS) in buffer g % NBUF. One

@@ -149,6 +149,8 @@ def cmd_info(args) -> int:
         for name, is_rms, grads in (("layer_norm", False, 2), ("rms_norm", True, 1)):
             cfg = cuda_config.backward(m, n, dtype, device, is_rms, fit, grads)
             print(f"  cuda backward  {cfg} ({name})")
+            cfg = cuda_config.backward(m, n, dtype, device, is_rms, fit, grads, True)
+            print(f"  cuda backward  {cfg} (add_{name}, with the residual's gradient)")
         npu_device = torch.device("npu" if ok else "cpu")
         where = "npu" if ok else "cpu tensors, interpreter"
         programs = npu_config.vector_cores(npu_device)

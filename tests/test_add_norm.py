@@ -52,15 +52,17 @@ def test_variants(run_on, executor, shape, variant, op):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_backward_rows_in_shared_memory(run_on, op, shape, dtype):
     """16-bit rows the shared-memory backward takes (config.SMEM_BWD, and rows in parts past it:
-    SMEM_SPLIT_BWD; asserted): h's own gradient added, the residual's gradient written (and not,
-    without a residual); the first call of a signature and the plan-served second match fp64 (same
-    seeds' inputs, fresh each call)."""
+    SMEM_SPLIT_BWD, and for the add-LayerNorm with a residual past 8192; asserted): h's own
+    gradient added, the residual's gradient written (and not, without a residual); the first call
+    of a signature and the plan-served second match fp64 (same seeds' inputs, fresh each call)."""
     from normkit.backends.cuda import config
 
     with run_on(Executor("cuda", "cuda"), dtype):
         device = torch.device("cuda")
         partials = 1 if op == "add_rms_norm" else 2
         assert config.backward(*shape, dtype, device, op == "add_rms_norm", True, partials).smem
+        if op == "add_layer_norm":  # with the residual's gradient: in parts (SMEM_BWD_DRES_LONGEST)
+            assert config.backward(*shape, dtype, device, False, True, partials, True).in_parts
         for residual in (True, False):
             for call in range(2):
                 check_add_norm_case(op, shape, dtype, device, residual=residual, seed=_seed(shape, op, call))

@@ -309,6 +309,64 @@ def test_forward_rows_in_parts(run_on, op, shape, weight, bias, dtype):
                 assert torch.equal(first[key], second[key]), f"{key} differs between runs"
 
 
+def _check_parts_call(op, shape, dtype, seed):
+    """One forward and backward of fresh inputs through the public API against fp64."""
+    inputs = make_inputs(op, shape, 1, dtype, torch.device("cuda"), True, True, seed=seed)
+    out = public_results(op, eps=1e-5, **inputs)
+    ref = reference_results(op, eps=1e-5, **inputs)
+    assert_close(out["y"], ref["y"], dtype, "fwd", "y")
+    assert_close(out["dx"], ref["dx"], dtype, "bwd", "dx")
+    for key in ("dweight", "dbias"):
+        if ref[key] is not None:
+            assert_close(out[key], ref[key], dtype, "param", key, shape[0])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("op,shape", [("layer_norm", (3, 131072)), ("rms_norm", (2, 262144)),
+                                      ("layer_norm", (300, 131072))], ids=str)  # fmt: skip
+def test_rows_in_parts_workspace_left_clean(run_on, op, shape):
+    """The rows in parts' tagged-term workspace is kept per stream, and each launch leaves it zeroed
+    (smem.release): calls of one shape in a row with fresh inputs (with M this small, every row's
+    terms of the call before sit in the workspace under the same tags unless zeroed), on a second
+    stream, and from a replayed CUDA graph (the workspace zeroed in the graph) match fp64, forward
+    (y) and backward (dx, dweight, dbias), and the workspace is zero after them."""
+    from normkit.backends.cuda import config, smem
+
+    dtype = torch.bfloat16
+    with run_on(Executor("cuda", "cuda"), dtype):
+        device = torch.device("cuda")
+        assert config.forward(*shape, dtype, device, op, True, 2 * dtype.itemsize).parts > 1
+        assert config.backward(*shape, dtype, device, op == "rms_norm", True, 2).parts > 1
+        for seed in range(3):
+            _check_parts_call(op, shape, dtype, 30 + seed)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for seed in range(2):
+                _check_parts_call(op, shape, dtype, 40 + seed)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        for words, done in smem._WORKSPACES.values():
+            assert not words.any() and not done.any(), "a launch left its workspace dirty"
+        inputs = make_inputs(op, shape, 1, dtype, device, True, True, seed=50)
+        x, size, weight, bias = (inputs[k] for k in ("x", "normalized_shape", "weight", "bias"))
+        if op == "layer_norm":
+            call = lambda: normkit.layer_norm(x, size, weight, bias, eps=1e-5)  # noqa: E731
+        else:
+            call = lambda: normkit.rms_norm(x, size, weight, eps=1e-5)  # noqa: E731
+        with torch.cuda.stream(stream):  # warm up off the capture
+            call()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = call()
+        for seed in range(3):
+            x.copy_(make_inputs(op, shape, 1, dtype, device, seed=60 + seed)["x"])
+            graph.replay()
+            ref = reference_results(op, eps=1e-5, **inputs)
+            assert_close(y, ref["y"], dtype, "fwd", "y")
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("shape", [(8, 131072), (3, 200000)], ids=str)
 def test_forward_rows_in_parts_variance_survives_large_mean(run_on, shape):

@@ -201,8 +201,14 @@ class LaunchConfig:
     # and publish its partials) during this one; shared-memory rows: one spare buffer
     smem: bool = False  # rows resident in shared memory (smem.py), split = buffers a row (or row part)
     parts: int = 1  # shared-memory rows: programs sharing one row, one part each; grid = row groups x parts
-    part: int = 0  # rows in parts (forward): columns a part, a multiple of 16 (runtime P)
+    part: int = 0  # rows in parts (the in-parts kernels, even for one part): columns a part, a multiple of 16
     depth: int = 2  # rows in parts (forward): rows of buffers a part
+    ring: int = 0  # rows in parts: slots of a row group's tagged terms (smem.row_terms)
+
+    @property
+    def in_parts(self) -> bool:
+        """Rows in parts (smem_split_forward / smem_split_backward): the in-parts kernels serve."""
+        return self.part > 0
 
 
 @functools.lru_cache(maxsize=64)
@@ -353,6 +359,12 @@ def smem_row(M: int, N: int, dtype: torch.dtype, device: torch.device, kind: str
 # vs 0.89), as LayerNorm 16384 (0.87 vs 0.82 in one part; add_layer_norm 0.83 vs 0.86 there, but the
 # config does not tell the add-norms apart) and RMSNorm 16384 (0.94 vs 0.77).
 SMEM_BWD = (8192, 16, 8193, 24576)
+# The add-LayerNorm backward that writes the residual's gradient too (a third output stream) takes
+# the rows in parts kernel past this length instead: bf16 N = 16384 0.86 there (one part, two rows
+# deep, weight held) vs 0.83 in the one-program kernel (same process, perf-notes v26,
+# ab-one-program-vs-parts.txt; seventeenth run: 0.76 / 0.83 bf16 / fp16). Not the add-RMSNorm
+# (0.74 vs 0.93 there).
+SMEM_BWD_DRES_LONGEST = 8192
 # The registers bound the partials: next_pow2(chunks) rows for each of dweight / dbias, at most this
 # many rows in all (64 fp32 registers a thread at 16 warps; LayerNorm 16384 and RMSNorm 32768 build
 # to 128 registers with <= 24 bytes spilled, ptxas -v; one more row spills in earnest).
@@ -388,11 +400,13 @@ def smem_backward(M: int, N: int, dtype: torch.dtype, device: torch.device,
 SMEM_SPLIT_BWD = (8192, 2, 8)
 
 
-def smem_split_backward(M: int, N: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig | None:
+def smem_split_backward(M: int, N: int, dtype: torch.dtype, device: torch.device,
+                        dres: bool = False) -> LaunchConfig | None:  # fmt: skip
     """Row-norm backward with each row shared by K programs in shared memory (:data:`SMEM_SPLIT_BWD`),
     or None: :func:`_smem_config`'s conditions for a part's x and dy (two rows deep), or more parts a
     row than SMs. Grid = groups x K <= SMs (one program per SM: the programs of a row are co-resident,
-    as coop.py's); ``split`` = buffers a part, ``parts`` = K."""
+    as coop.py's); ``split`` = buffers a part, ``parts`` = K (1 for rows of one part's width: the
+    in-parts kernel still, ``part`` = its width)."""
     chunk, chunks, warps = SMEM_SPLIT_BWD
     K = triton.cdiv(N, chunk * chunks)
     # two rows of the part, x and dy; beside them the part of the weight (room for an fp32 one)
@@ -400,7 +414,8 @@ def smem_split_backward(M: int, N: int, dtype: torch.dtype, device: torch.device
     if cfg is None or K > sm_count(device):
         return None
     groups = max(1, min(M, sm_count(device) // K))
-    return replace(cfg, grid=(groups * K,), split=chunks, parts=K)
+    return replace(cfg, grid=(groups * K,), split=chunks, parts=K, part=chunk * chunks,
+                   ring=SMEM_SPLIT_BWD_RING[dres])  # fmt: skip
 
 
 def _smem_config(M: int, N: int, dtype: torch.dtype, device: torch.device, chunk: int, warps: int,
@@ -444,6 +459,18 @@ SMEM_SPLIT_FWD = {
     "rms_norm": (131072, ((8192, 3, 8, 3), (16384, 1, 8, 3), (8192, 2, 8, 3))),
     "add_norm": (65536, ((8192, 2, 8, 2), (4096, 4, 8, 2), (4096, 2, 8, 2))),
 }
+# Term slots a row group (smem.row_terms; smem.MIN_RING at least), per kind of forward and for the
+# backward (keyed by whether it writes the residual's gradient). H100, M * N = 2^27, GPU time, one
+# process, 4 / 8 / 16 / 32 slots (perf-notes v28, ring-ab.txt), bf16 at N = 131072 / 262144:
+# - forward LayerNorm 0.880 / 0.886 with 4 (0.862-0.873 with more), RMSNorm 0.941 / 0.939 (0.927-0.938);
+#   add_layer_norm 0.872 / 0.875 with 4, 0.918 / 0.920 with 32; add_rms_norm 0.926 / 0.919 with 4,
+#   0.956 / 0.951 with 32.
+# - backward with 32 as good or better for every kind (LayerNorm fp16 0.845 / 0.862 with 4, 0.873 /
+#   0.872 with 32; RMSNorm 65536 0.915 / 0.935; add_layer_norm 0.836 / 0.855 -> 0.883 / 0.879).
+# Why more slots help some kinds and not others is not diagnosed (each setting's results bitwise
+# equal across slots); the slots cost only their zeroing by a group's last program.
+SMEM_SPLIT_RING = {"layer_norm": 4, "rms_norm": 4, "add_norm": 32}
+SMEM_SPLIT_BWD_RING = {False: 32, True: 32}
 
 
 def smem_split_forward(M: int, N: int, dtype: torch.dtype, device: torch.device, kind: str,
@@ -464,7 +491,8 @@ def smem_split_forward(M: int, N: int, dtype: torch.dtype, device: torch.device,
         if cfg is not None and K <= sm_count(device):
             P = triton.cdiv(triton.cdiv(N, K), 16) * 16
             groups = max(1, min(M, sm_count(device) // K))
-            return replace(cfg, grid=(groups * K,), split=triton.cdiv(P, chunk), parts=K, part=P, depth=depth)
+            return replace(cfg, grid=(groups * K,), split=triton.cdiv(P, chunk), parts=K, part=P, depth=depth,
+                           ring=SMEM_SPLIT_RING[kind])  # fmt: skip
     return None
 
 
@@ -494,8 +522,8 @@ def row_sweep(M: int, N: int, dtype: torch.dtype) -> LaunchConfig:
 
 @_memoized
 def backward(M: int, N: int, dtype: torch.dtype, device: torch.device, is_rms: bool, smem_ok: bool = False,
-             partials: int = 2) -> LaunchConfig:  # fmt: skip
-    """Row-norm backward.
+             partials: int = 2, dres: bool = False) -> LaunchConfig:  # fmt: skip
+    """Row-norm backward (``dres``: the add-norms' backward writing the residual's gradient too).
 
     Fused: a persistent grid (``FUSED_BWD`` table) walks row tiles, each program keeping its
     dweight/dbias partial in registers; grid[0] is the number of partial rows.
@@ -508,11 +536,12 @@ def backward(M: int, N: int, dtype: torch.dtype, device: torch.device, is_rms: b
     tile; grid[0] row chunks is the number of partial rows.
     """
     block = triton.next_power_of_2(N)
-    cfg = smem_ok and smem_backward(M, N, dtype, device, partials)
+    one_part = smem_ok and not (dres and not is_rms and N > SMEM_BWD_DRES_LONGEST)
+    cfg = one_part and smem_backward(M, N, dtype, device, partials)
     if cfg:
         return cfg
     fused = block <= _fused_max(FUSED_MAX_N_BWD[is_rms, dtype.itemsize >= 4], dtype)
-    cfg = smem_ok and not fused and smem_split_backward(M, N, dtype, device)
+    cfg = smem_ok and not fused and smem_split_backward(M, N, dtype, device, dres)
     if cfg:
         return cfg
     if fused:

@@ -495,7 +495,8 @@ def _fwd_smem_split_kernel(
     B,  # (N,) bias (unread unless HAS_B)
     Mean,  # (M,) fp32 out (unwritten when IS_RMS)
     Rstd,  # (M,) fp32 out
-    Terms,  # (M, 2, KP) int64, zeroed: part k's row terms of each row, tagged (smem.publish)
+    Terms,  # (groups, RING, 2, KP) int64, zeroed: part k's row terms, tagged (smem.row_terms)
+    Done,  # (groups,) int64 counters, zero: a group's last program done zeroes its Terms (smem.release)
     stride_x,
     stride_r,
     stride_h,
@@ -510,6 +511,7 @@ def _fwd_smem_split_kernel(
     SPARE: gl.constexpr,  # extra buffers (0 or 1)
     DEPTH: gl.constexpr,  # rows of buffers (2 or 3): a row's copies start DEPTH - 1 row steps early
     KP: gl.constexpr,  # next_pow2(K)
+    RING: gl.constexpr,  # term slots a row group (>= smem.MIN_RING)
     IS_RMS: gl.constexpr,
     HAS_W: gl.constexpr,
     HAS_B: gl.constexpr,
@@ -553,13 +555,13 @@ def _fwd_smem_split_kernel(
     # the group's first row: its terms from the prologue's copies (NBUF groups committed)
     t1, t2 = _fwd_part_terms(bx, br, H, 0, valid, inv_count, layout, NBUF - 1, CHUNK, CHUNKS, NBUF, IS_RMS,
                              ADD, HAS_R)  # fmt: skip
-    smem.publish_pair(Terms + group * (2 * KP), k, t1, t2, KP, not IS_RMS)
+    smem.publish_pair(smem.row_terms(Terms, group, groups, KP, RING), k, t1, t2, KP, not IS_RMS, group + 1)
     base = pid * 0  # buffer of this row's chunk 0
     for row in range(group, M, groups):
         r64 = row.to(gl.int64)
-        mine = Terms + r64 * (2 * KP)
+        mine = smem.row_terms(Terms, row, groups, KP, RING)
         # this row's terms: their load in flight during the next row's terms
-        w1, w2 = smem.request_pair(mine, K, KP, small, not IS_RMS)
+        w1, w2 = smem.request_pair(mine, K, KP, small, not IS_RMS, row + 1)
         nxt = row + groups
         if nxt < M:
             # committed: NBUF + CHUNKS a row done; after the next row's chunk c: (DEPTH - 1) * CHUNKS
@@ -567,14 +569,15 @@ def _fwd_smem_split_kernel(
             n1, n2 = _fwd_part_terms(bx, br, H, (base + CHUNKS) % NBUF, valid, inv_count, layout,
                                      (DEPTH - 1) * CHUNKS + SPARE - 1, CHUNK, CHUNKS, NBUF, IS_RMS, ADD,
                                      HAS_R)  # fmt: skip
-            smem.publish_pair(Terms + nxt.to(gl.int64) * (2 * KP), k, n1, n2, KP, not IS_RMS)
+            words = smem.row_terms(Terms, nxt, groups, KP, RING)
+            smem.publish_pair(words, k, n1, n2, KP, not IS_RMS, nxt + 1)
         if IS_RMS:
             mean = 0.0
-            rstd = gl.rsqrt(smem.gather(w1, mine, K, KP, small) * inv_n + eps)
+            rstd = gl.rsqrt(smem.gather(w1, mine, K, KP, small, row + 1) * inv_n + eps)
         else:
             # Chan's merge of the parts' (mean, squared deviations), in k's order
-            means = smem.collect(w1, mine, K, KP, small)
-            m2 = smem.gather(w2, mine + KP, K, KP, small)
+            means = smem.collect(w1, mine, K, KP, small, row + 1)
+            m2 = smem.gather(w2, mine + KP, K, KP, small, row + 1)
             mean = gl.sum(counts * means, axis=0) * inv_n
             dm = means - mean
             rstd = gl.rsqrt((m2 + gl.sum(counts * dm * dm, axis=0)) * inv_n + eps)
@@ -599,6 +602,7 @@ def _fwd_smem_split_kernel(
             gl.store(Y + r64 * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
         base = (base + CHUNKS) % NBUF
     cp.wait_group(0)
+    smem.release(Done + group, Terms + group * (RING * 2 * KP), RING * 2 * KP, K, small)
 
 
 @triton.jit
@@ -1123,7 +1127,8 @@ def _bwd_smem_split_kernel(
     W,  # (N,) weight (unread unless HAS_W)
     Mean,  # (M,) fp32 forward row means (unread when IS_RMS)
     Rstd,  # (M,) fp32
-    Terms,  # (M, 2, KP) int64, zeroed: part k's two row terms of each row, tagged (smem.publish)
+    Terms,  # (groups, RING, 2, KP) int64, zeroed: part k's two row terms, tagged (smem.row_terms)
+    Done,  # (groups,) int64 counters, zero: a group's last program done zeroes its Terms (smem.release)
     DW_part,  # (G, N) out: row g = row group g's sum of dy * xhat (written when HAS_W)
     DB_part,  # (G, N) out: row g = row group g's sum of dy (written when HAS_DB)
     stride_x,  # a multiple of 16, as stride_dy
@@ -1138,6 +1143,7 @@ def _bwd_smem_split_kernel(
     CHUNKS: gl.constexpr,  # buffers a row part (of x, and of dy)
     SPARE: gl.constexpr,  # extra buffers (0 or 1) of each
     KP: gl.constexpr,  # next_pow2(K)
+    RING: gl.constexpr,  # term slots a row group (>= smem.MIN_RING)
     IS_RMS: gl.constexpr,
     HAS_W: gl.constexpr,
     HAS_DB: gl.constexpr,
@@ -1184,13 +1190,13 @@ def _bwd_smem_split_kernel(
     if not IS_RMS:
         mean = gl.load(Mean + group)
     t1, t2 = _smem_row_terms(bx, bdy, bw, mean, 0, layout, NBUF - 1, CHUNK, CHUNKS, NBUF, IS_RMS, HAS_W)
-    smem.publish_pair(Terms + group * (2 * KP), k, t1, t2, KP, not IS_RMS)
+    smem.publish_pair(smem.row_terms(Terms, group, groups, KP, RING), k, t1, t2, KP, not IS_RMS, group + 1)
     base = pid * 0  # buffer of this row's chunk 0
     for row in range(group, M, groups):
         r64 = row.to(gl.int64)
-        mine = Terms + r64 * (2 * KP)
+        mine = smem.row_terms(Terms, row, groups, KP, RING)
         # this row's terms: their load in flight during the next row's terms
-        w1, w2 = smem.request_pair(mine, K, KP, small, not IS_RMS)
+        w1, w2 = smem.request_pair(mine, K, KP, small, not IS_RMS, row + 1)
         rstd = gl.load(Rstd + row)
         if not IS_RMS:
             mean = gl.load(Mean + row)
@@ -1202,12 +1208,13 @@ def _bwd_smem_split_kernel(
             # committed: NBUF + CHUNKS a row done; after the next row's chunk c: CHUNKS + SPARE - 1 - c
             n1, n2 = _smem_row_terms(bx, bdy, bw, mean_n, (base + CHUNKS) % NBUF, layout, CHUNKS + SPARE - 1,
                                      CHUNK, CHUNKS, NBUF, IS_RMS, HAS_W)  # fmt: skip
-            smem.publish_pair(Terms + nxt.to(gl.int64) * (2 * KP), k, n1, n2, KP, not IS_RMS)
-        c1 = smem.gather(w1, mine, K, KP, small) * rstd * inv_n
+            words = smem.row_terms(Terms, nxt, groups, KP, RING)
+            smem.publish_pair(words, k, n1, n2, KP, not IS_RMS, nxt + 1)
+        c1 = smem.gather(w1, mine, K, KP, small, row + 1) * rstd * inv_n
         if IS_RMS:
             c2 = 0.0
         else:
-            c2 = smem.gather(w2, mine + KP, K, KP, small) * inv_n
+            c2 = smem.gather(w2, mine + KP, K, KP, small, row + 1) * inv_n
         for c in gl.static_range(CHUNKS):
             cols = col0 + c * CHUNK
             mask = cols < N
@@ -1226,6 +1233,7 @@ def _bwd_smem_split_kernel(
                                     HAS_DRES)  # fmt: skip
         base = (base + CHUNKS) % NBUF
     cp.wait_group(0)
+    smem.release(Done + group, Terms + group * (RING * 2 * KP), RING * 2 * KP, K, small)
     cols = chunk_of * CHUNK + gl.expand_dims(col0, 0)
     out = group * N + cols
     if HAS_W:
@@ -1269,9 +1277,9 @@ def _forward(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtype=Non
     if cfg.fused:
         launch(_fwd_fused_kernel, cfg.grid, *args, M, N, eps, tail, *drop, key=key, ROWS=cfg.rows_per_program,
                                     BLOCK_N=cfg.block_size, **flags)  # fmt: skip
-    elif cfg.smem and cfg.parts > 1:
-        terms = smem.terms_workspace(M, 2, triton.next_power_of_2(cfg.parts), x.device)
-        launch(_fwd_smem_split_kernel, cfg.grid, *args[:8], terms, *args[8:], M, N, cfg.parts, cfg.part, eps,
+    elif cfg.smem and cfg.in_parts:
+        terms = smem.terms_workspace(cfg.grid[0] // cfg.parts, cfg.parts, cfg.ring, x.device)
+        launch(_fwd_smem_split_kernel, cfg.grid, *args[:8], *terms, *args[8:], M, N, cfg.parts, cfg.part, eps,
                key=key, **_smem_meta(cfg, flags))  # fmt: skip
     elif cfg.smem:
         launch(_fwd_smem_kernel, cfg.grid, x, args[4], args[5], y, mean, rstd, x.stride(0), y.stride(0), M, N,
@@ -1291,9 +1299,9 @@ def _smem_meta(cfg, flags) -> dict:
     config and the forward's flags."""
     meta = dict(CHUNK=cfg.block_size, CHUNKS=cfg.split, SPARE=int(cfg.prefetch), IS_RMS=flags["IS_RMS"],
                 HAS_W=flags["HAS_W"], HAS_B=flags["HAS_B"], num_warps=cfg.num_warps)  # fmt: skip
-    if cfg.parts > 1:
-        return dict(meta, KP=triton.next_power_of_2(cfg.parts), DEPTH=cfg.depth, ADD=flags["ADD"],
-                    HAS_R=flags["HAS_R"])
+    if cfg.in_parts:
+        return dict(meta, KP=triton.next_power_of_2(cfg.parts), RING=cfg.ring, DEPTH=cfg.depth,
+                    ADD=flags["ADD"], HAS_R=flags["HAS_R"])
     return dict(meta, ONE_PASS=cfg.split <= config.SMEM_ONE_PASS_MAX_CHUNKS)
 
 
@@ -1319,22 +1327,22 @@ def _smem_bwd_meta(cfg, flags) -> dict:
     keep = ("IS_RMS", "HAS_W", "HAS_DB", "HAS_DRES", "num_warps")
     meta = dict(CHUNK=cfg.block_size, CHUNKS=cfg.split, SPARE=int(cfg.prefetch))
     meta.update({k: flags[k] for k in keep})
-    if cfg.parts > 1:
-        return _bwd_smem_split_kernel, dict(meta, KP=triton.next_power_of_2(cfg.parts))
+    if cfg.in_parts:
+        return _bwd_smem_split_kernel, dict(meta, KP=triton.next_power_of_2(cfg.parts), RING=cfg.ring)
     return _bwd_smem_kernel, meta
 
 
-def _smem_bwd_args(cfg, M, device) -> tuple:
-    """The shared-memory backward's arguments between rstd and the partials: the rows in parts' zeroed
-    tagged-term workspace, or none."""
-    if cfg.parts > 1:
-        return (smem.terms_workspace(M, 2, triton.next_power_of_2(cfg.parts), device),)
+def _smem_bwd_args(cfg, device) -> tuple:
+    """The shared-memory backward's arguments between rstd and the partials: the rows in parts'
+    tagged-term workspace and its counter (smem.terms_workspace), or none."""
+    if cfg.in_parts:
+        return smem.terms_workspace(cfg.grid[0] // cfg.parts, cfg.parts, cfg.ring, device)
     return ()
 
 
 def _smem_bwd_tail(cfg) -> tuple:
     """The shared-memory backward's trailing arguments after M, N: K for rows in parts."""
-    return (cfg.parts,) if cfg.parts > 1 else ()
+    return (cfg.parts,) if cfg.in_parts else ()
 
 
 def _partial_rows(cfg) -> int:
@@ -1376,7 +1384,7 @@ def plan_row_norm(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtyp
         bound = Bound(_fwd_fused_kernel, cfg.grid, x.device.index, ROWS=cfg.rows_per_program,
                       BLOCK_N=cfg.block_size, STATS=grad, **flags)  # fmt: skip
     elif cfg.smem:
-        fn = _fwd_smem_split_kernel if cfg.parts > 1 else _fwd_smem_kernel
+        fn = _fwd_smem_split_kernel if cfg.in_parts else _fwd_smem_kernel
         bound = Bound(fn, cfg.grid, x.device.index, **_smem_meta(cfg, flags))
     else:
         bound = Bound(_fwd_split_kernel, cfg.grid, x.device.index, **coop.split_meta(cfg), **flags)
@@ -1388,9 +1396,9 @@ def plan_row_norm(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtyp
                 N, N, N, N)  # fmt: skip
         if cfg.fused:
             bound(*head, M, N, eps, tail, 0, 0.0, 1.0)
-        elif cfg.smem and cfg.parts > 1:
-            terms = smem.terms_workspace(M, 2, triton.next_power_of_2(cfg.parts), x.device)
-            bound(*head[:8], terms, *head[8:], M, N, cfg.parts, cfg.part, eps)
+        elif cfg.smem and cfg.in_parts:
+            terms = smem.terms_workspace(cfg.grid[0] // cfg.parts, cfg.parts, cfg.ring, x.device)
+            bound(*head[:8], *terms, *head[8:], M, N, cfg.parts, cfg.part, eps)
         elif cfg.smem:
             bound(x, head[4], head[5], y, mean, rstd, N, N, M, N, eps)
         else:
@@ -1427,7 +1435,7 @@ def _plan_backward(M, N, dtype, device, weight, bias, is_rms, x_dtype, residual_
     ``residual_dtype``, None for none."""
     has_w, has_db, has_dres = weight is not None, bias is not None, residual_dtype is not None
     smem_ok = rows_fit and x_dtype.itemsize == 2
-    cfg = config.backward(M, N, dtype, device, is_rms, smem_ok, has_w + has_db)
+    cfg = config.backward(M, N, dtype, device, is_rms, smem_ok, has_w + has_db, has_dres)
     if not (cfg.fused or cfg.smem or cfg.split > 1):
         return None
     grads = (weight.dtype if has_w else None, bias.dtype if has_db else None)
@@ -1459,7 +1467,7 @@ def _plan_backward(M, N, dtype, device, weight, bias, is_rms, x_dtype, residual_
         if cfg.fused:
             kernels[dh is not None](*head, *parts, N, N, N, N, N, M, N, 0, 0.0, 1.0)
         elif cfg.smem:
-            kernels[dh is not None](*head, *_smem_bwd_args(cfg, M, xn.device), *parts, N, N, N, N, N, M, N,
+            kernels[dh is not None](*head, *_smem_bwd_args(cfg, xn.device), *parts, N, N, N, N, N, M, N,
                                     *_smem_bwd_tail(cfg))  # fmt: skip
         else:
             work = coop.workspace(M, 2, cfg.split, acc, xn.device)
@@ -1480,9 +1488,9 @@ def _backward(dy, x, weight, mean, rstd, bias_dtype, is_rms, dh=None, x_dtype=No
     dropout mask, and dresidual (in ``residual_dtype``) is written when there was a residual.
     """
     M, N = x.shape
-    has_w, has_db = weight is not None, bias_dtype is not None
+    has_w, has_db, has_dres = weight is not None, bias_dtype is not None, residual_dtype is not None
     smem_ok = dropout_p == 0 and dy.dtype.itemsize == 2 and smem.rows_fit(x) and smem.rows_fit(dy)
-    cfg = config.backward(M, N, x.dtype, x.device, is_rms, smem_ok, has_w + has_db)
+    cfg = config.backward(M, N, x.dtype, x.device, is_rms, smem_ok, has_w + has_db, has_dres)
     acc = config.acc_dtype(x.dtype)
     dx = torch.empty((M, N), dtype=x_dtype or x.dtype, device=x.device)
     dres = torch.empty((M, N), dtype=residual_dtype, device=x.device) if residual_dtype else None
@@ -1512,7 +1520,7 @@ def _backward(dy, x, weight, mean, rstd, bias_dtype, is_rms, dh=None, x_dtype=No
     elif cfg.smem:
         kernel, meta = _smem_bwd_meta(cfg, flags)
         launch(kernel, cfg.grid,
-            x, dy, dh_, dx, dres_, w, mean, rstd, *_smem_bwd_args(cfg, M, x.device), dw_part, db_part,
+            x, dy, dh_, dx, dres_, w, mean, rstd, *_smem_bwd_args(cfg, x.device), dw_part, db_part,
             *strides, M, N, *_smem_bwd_tail(cfg), key=key, HAS_DH=dh is not None, **meta,
         )  # fmt: skip
     elif cfg.split > 1:

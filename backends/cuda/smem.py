@@ -170,59 +170,100 @@ def next_base(base, CHUNKS: gl.constexpr, SPARE: gl.constexpr):
 
 # --- a row shared by K programs: tagged row terms ---------------------------------------------
 # Rows too long for one program's shared memory and registers are cut into K parts, one program
-# each; a part's row terms (partial sums) are exchanged through a zeroed int64 workspace, each term
-# in its own word with a ready tag in the high half (:func:`publish`). One load of the K words both
-# finds them written and reads them (:func:`gather`), where a counter barrier needs an acquire
+# each; a part's row terms (partial sums) are exchanged through an int64 workspace, each term in its
+# own word with the row's tag (row + 1) in the high half (:func:`publish`). One load of the K words
+# both finds them written and reads them (:func:`gather`), where a counter barrier needs an acquire
 # poll and then the loads (perf-notes v26). Every program of a row sums the same K words in the same
 # order, so they agree bitwise.
+#
+# The words of row ``row`` of a row group lie in slot (row // groups) % RING of the group's RING
+# slots (:func:`row_terms`). A program publishes a row's terms one row step ahead and has gathered
+# the row before; so when it writes a slot, every partner has gathered the row RING steps back
+# (its publish of the row before this program's last gathered one came after its gather of the row
+# three steps back): RING >= MIN_RING slots never overwrite a word still to be read, and a word of
+# another row, tagged so, is never taken. How many slots is the config's (``LaunchConfig.ring``,
+# measured per kind: more slots than the minimum read faster for some, perf-notes v28). The
+# workspace is kept per device and stream (:func:`terms_workspace`) and comes zeroed to every
+# launch: the last of a row group's programs to finish zeroes the group's words (:func:`release`),
+# so no launch of its own zeroes it.
+MIN_RING = 4
+
+
 @jit
-def publish(Terms, value):
-    """Write fp32 scalar ``value`` to the int64 word ``Terms`` with its ready tag (one 8-byte store:
-    a reader sees the zeroed word or the whole term)."""
+def row_terms(Terms, row, groups, KP: gl.constexpr, RING: gl.constexpr):
+    """The words of ``row``'s two terms ((2, KP): t1's K words, then t2's) in its group's slot of the
+    (groups, RING, 2, KP) workspace ``Terms``."""
+    return Terms + (row % groups * RING + row // groups % RING) * (2 * KP)
+
+
+@jit
+def publish(Terms, value, tag):
+    """Write fp32 scalar ``value`` to the int64 word ``Terms`` with its row's ``tag`` (one 8-byte
+    store: a reader sees an older word or the whole term)."""
     bits = value.to(gl.int32, bitcast=True).to(gl.int64) & 0xFFFFFFFF
-    gl.store(Terms, bits | 4294967296)  # the ready tag: bit 32 (the workspace is zeroed before the launch)
+    gl.store(Terms, bits | (tag.to(gl.int64) << 32))
 
 
 @jit
-def request(Terms, K, KP: gl.constexpr, layout: gl.constexpr):
-    """Start loading the K tagged words ``Terms[0:K]`` (past K: a written zero); :func:`gather`
-    finishes. Volatile: read at L2, never from a stale L1 line."""
+def request(Terms, K, KP: gl.constexpr, layout: gl.constexpr, tag):
+    """Start loading the K tagged words ``Terms[0:K]`` (past K: a zero term with the tag);
+    :func:`gather` finishes. Volatile: read at L2, never from a stale L1 line."""
     ks = gl.arange(0, KP, layout=layout)
-    return gl.load(Terms + ks, mask=ks < K, other=4294967296, volatile=True)
+    return gl.load(Terms + ks, mask=ks < K, other=tag.to(gl.int64) << 32, volatile=True)
 
 
 @jit
-def collect(words, Terms, K, KP: gl.constexpr, layout: gl.constexpr):
+def collect(words, Terms, K, KP: gl.constexpr, layout: gl.constexpr, tag):
     """The K fp32 terms at ``Terms`` ([KP], 0.0 past K), ``words`` their first load (:func:`request`);
-    loads again until every word carries the ready tag."""
-    while gl.min((words >> 32).to(gl.int32), axis=0) == 0:
-        words = request(Terms, K, KP, layout)
+    loads again until every word carries the row's ``tag``. A word not yet written carries an older
+    row's tag (smaller) or 0, never a later one (:func:`row_terms`), so the least tag decides. The
+    tags are reduced as loaded and compared after: a per-word compare is hoisted by ptxas next to
+    the load (to free its registers), where it waits out the load's L2 round trip that the
+    request had started early to hide (LayerNorm 0.77 against 0.87, perf-notes v28)."""
+    while gl.min((words >> 32).to(gl.int32), axis=0) != tag:
+        words = request(Terms, K, KP, layout, tag)
     return words.to(gl.int32).to(gl.float32, bitcast=True)
 
 
 @jit
-def gather(words, Terms, K, KP: gl.constexpr, layout: gl.constexpr):
+def gather(words, Terms, K, KP: gl.constexpr, layout: gl.constexpr, tag):
     """The sum over k (in k's order) of the K terms at ``Terms`` (:func:`collect`)."""
-    return gl.sum(collect(words, Terms, K, KP, layout), axis=0)
+    return gl.sum(collect(words, Terms, K, KP, layout, tag), axis=0)
 
 
 @jit
-def publish_pair(Terms, k, t1, t2, KP: gl.constexpr, TWO: gl.constexpr):
+def release(Done, Terms, words, count, layout: gl.constexpr):
+    """At a launch's end, in each of the ``count`` programs that share the ``words`` words of
+    ``Terms`` (a row group's): count this program done at ``Done`` (an int64 word, zero between
+    launches); the last to arrive (every partner's reads of the words over) zeroes them and
+    ``Done`` for the next launch."""
+    gl.thread_barrier()  # every thread's loads of the words are done before the release
+    last = gl.atomic_add(Done, 1, sem="acq_rel", scope="gpu") == count - 1
+    if last:
+        BLOCK: gl.constexpr = gl.num_warps() * 32
+        offs = gl.arange(0, BLOCK, layout=layout)
+        for start in range(0, words, BLOCK):
+            gl.store(Terms + start + offs, gl.zeros([BLOCK], gl.int64, layout), mask=start + offs < words)
+        gl.store(Done, 0)
+
+
+@jit
+def publish_pair(Terms, k, t1, t2, KP: gl.constexpr, TWO: gl.constexpr, tag):
     """Publish part ``k``'s row terms to the row's words ``Terms`` ((2, KP): t1 in the first KP,
-    t2 in the second, written only when TWO)."""
-    publish(Terms + k, t1)
+    t2 in the second, written only when TWO), tagged ``tag``."""
+    publish(Terms + k, t1, tag)
     if TWO:
-        publish(Terms + KP + k, t2)
+        publish(Terms + KP + k, t2, tag)
 
 
 @jit
-def request_pair(Terms, K, KP: gl.constexpr, layout: gl.constexpr, TWO: gl.constexpr):
+def request_pair(Terms, K, KP: gl.constexpr, layout: gl.constexpr, TWO: gl.constexpr, tag):
     """:func:`request` the row's K words of t1 (and of t2 when TWO; else the t1 words again) at
     ``Terms`` ((2, KP), as :func:`publish_pair`)."""
-    w1 = request(Terms, K, KP, layout)
+    w1 = request(Terms, K, KP, layout, tag)
     w2 = w1
     if TWO:
-        w2 = request(Terms + KP, K, KP, layout)
+        w2 = request(Terms + KP, K, KP, layout, tag)
     return w1, w2
 
 
@@ -277,9 +318,27 @@ def hold(W, col0, end, CHUNK: gl.constexpr, CHUNKS: gl.constexpr):
     return bw
 
 
-def terms_workspace(M: int, terms: int, KP: int, device) -> torch.Tensor:
-    """The zeroed (M, terms, KP) int64 words of one launch's tagged row terms."""
-    return torch.zeros((M, terms, KP), dtype=torch.int64, device=device)
+_WORKSPACES: dict = {}  # (device index, stream) -> (words, done): zero between launches
+
+
+def terms_workspace(groups: int, parts: int, ring: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """(words, done) for a launch of ``groups`` row groups of ``parts`` parts (KP = next_pow2 of
+    them) and ``ring`` slots a group: at least groups x ring x 2 x KP zeroed int64 words and groups
+    zero int64 counters, which the launch leaves zeroed (:func:`release`). Kept per device and current
+    stream (launches on a stream run in order; two streams never share one); while a CUDA graph is
+    captured, a fresh zeroed pair instead, whose zeroing the graph records."""
+    need = groups * ring * 2 * triton.next_power_of_2(parts)
+    if torch.cuda.is_current_stream_capturing():
+        return _zeroed(need, device), _zeroed(groups, device)
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    ws = _WORKSPACES.get(key)
+    if ws is None or ws[0].numel() < need or ws[1].numel() < groups:
+        ws = _WORKSPACES[key] = (_zeroed(need, device), _zeroed(groups, device))
+    return ws
+
+
+def _zeroed(n: int, device: torch.device) -> torch.Tensor:
+    return torch.zeros(n, dtype=torch.int64, device=device)
 
 
 def fits(N: int, stride: int, ptr: int) -> bool:

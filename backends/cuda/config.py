@@ -356,8 +356,8 @@ def smem_row(M: int, N: int, dtype: torch.dtype, device: torch.device, kind: str
 # alone 0.72-0.84); RMSNorm 16384: 0.94 vs the fused kernel's 0.76; 32768: 0.89 vs split rows 0.78.
 # Longer rows take rows in parts (SMEM_SPLIT_BWD), since 32768 too (perf-notes v26, same process):
 # RMSNorm 32768 0.88 here vs 0.92 in two parts, add_rms_norm 0.83 vs 0.92; 24576 stays (RMSNorm 0.91
-# vs 0.89), as LayerNorm 16384 (0.87 vs 0.82 in one part; add_layer_norm 0.83 vs 0.86 there, but the
-# config does not tell the add-norms apart) and RMSNorm 16384 (0.94 vs 0.77).
+# vs 0.89), as LayerNorm 16384 (0.87 vs 0.82 in one part; add_layer_norm 0.83 vs 0.86 there: see
+# SMEM_BWD_DRES_LONGEST) and RMSNorm 16384 (0.94 vs 0.77).
 SMEM_BWD = (8192, 16, 8193, 24576)
 # The add-LayerNorm backward that writes the residual's gradient too (a third output stream) takes
 # the rows in parts kernel past this length instead: bf16 N = 16384 0.86 there (one part, two rows

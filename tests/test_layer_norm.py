@@ -321,6 +321,18 @@ def _check_parts_call(op, shape, dtype, seed):
             assert_close(out[key], ref[key], dtype, "param", key, shape[0])
 
 
+def test_term_slots_below_the_safe_minimum_are_refused():
+    """Rows in parts cycle a row group's tagged terms through ring slots; fewer than smem.MIN_RING
+    could overwrite words a partner still reads: the workspace refuses them, and every configured
+    ring has at least that many."""
+    from normkit.backends.cuda import config, smem
+
+    with pytest.raises(ValueError, match="ring=3 term slots"):
+        smem.terms_workspace(1, 2, smem.MIN_RING - 1, torch.device("cpu"))
+    rings = [*config.SMEM_SPLIT_RING.values(), *config.SMEM_SPLIT_BWD_RING.values()]
+    assert min(rings) >= smem.MIN_RING, rings
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("op,shape", [("layer_norm", (3, 131072)), ("rms_norm", (2, 262144)),
                                       ("layer_norm", (300, 131072))], ids=str)  # fmt: skip

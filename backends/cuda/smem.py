@@ -327,6 +327,8 @@ def terms_workspace(groups: int, parts: int, ring: int, device: torch.device) ->
     zero int64 counters, which the launch leaves zeroed (:func:`release`). Kept per device and current
     stream (launches on a stream run in order; two streams never share one); while a CUDA graph is
     captured, a fresh zeroed pair instead, whose zeroing the graph records."""
+    if ring < MIN_RING:  # fewer slots could overwrite words a partner has still to read
+        raise ValueError(f"terms_workspace: ring={ring} term slots a row group; at least {MIN_RING} are safe")
     need = groups * ring * 2 * triton.next_power_of_2(parts)
     if torch.cuda.is_current_stream_capturing():
         return _zeroed(need, device), _zeroed(groups, device)

@@ -12,7 +12,8 @@ alignment):
   together, its dweight/dbias partials in registers) up to 24576. Longer rows are shared by K
   programs ("rows in parts"), each streaming its part of the rows and holding its part of the
   weight (and bias) in shared memory, exchanging tagged row terms (smem.publish / collect): the
-  forward (the add-norms' too) from 65536-131072 columns, the backward from 32768.
+  forward (the add-norms' too) from 65536-131072 columns, the backward from 32768 (the add-LayerNorm
+  backward that writes the residual's gradient from 8193, in one part up to 16384).
 - split rows (coop.py): co-resident programs share a row and exchange partial statistics.
 - looped: rows longer than the register budget loop over column tiles. Forward: one program per
   row, a statistics sweep (Chan's merge of per-tile mean/M2) then a normalize sweep. Backward: a

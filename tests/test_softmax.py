@@ -101,6 +101,32 @@ def test_softmax_empty_like_torch(op, shape):
 # Rows resident in shared memory (CUDA, 16-bit, N a multiple of 16 over the fused limit, up to what
 # one program's shared memory holds): as test_layer_norm.SMEM_SHAPES.
 SMEM_SHAPES = [(1, 40000), (300, 40000), (3, 65536), (140, 114688)]
+# Rows in parts (longer rows: K programs a row); N = 200000 and 270336 cut into parts whose last one
+# is shorter, 133 rows over 132 SMs' row groups, one row.
+PARTS_SHAPES = [(3, 131072), (133, 131072), (9, 262144), (2, 270336), (1, 200000)]
+
+
+def _check_rows_in_smem(op, shape, dtype):
+    """Random rows; rows with -inf entries and an all -inf row (NaN, as torch); rows whose first
+    half is -inf (a running max stays -inf over whole buffers, whole parts); misaligned rows (split
+    rows) match fp64."""
+    from normkit.backends.cuda import smem
+
+    device = torch.device("cuda")
+    seed = zlib.crc32(f"{shape}{op}{dtype}".encode())
+    check_softmax_case(op, shape, -1, dtype, device, seed=seed)
+    check_softmax_case(op, shape, -1, dtype, device, seed=seed + 1, neg_inf=True)
+    g = torch.Generator().manual_seed(seed + 2)
+    x = (torch.randn(shape, generator=g, dtype=torch.float64) * 3).to(dtype)
+    x[:, : shape[1] // 2] = float("-inf")  # at least two buffers of -inf, then finite values
+    x = x.to(device)
+    expected, _ = softmax_reference(op, x, x, -1)
+    assert_close(getattr(normkit, op)(x, -1), expected, dtype, "fwd", "y")
+    wide = torch.randn(shape[0], shape[1] + 8, generator=g, dtype=torch.float64).to(dtype).to(device)
+    x = wide[:, 8:]  # row stride N + 8: not a multiple of 16, no cp.async
+    assert not smem.rows_fit(x)
+    expected, _ = softmax_reference(op, x, x, -1)
+    assert_close(getattr(normkit, op)(x, -1), expected, dtype, "fwd", "y")
 
 
 @pytest.mark.cuda
@@ -108,25 +134,75 @@ SMEM_SHAPES = [(1, 40000), (300, 40000), (3, 65536), (140, 114688)]
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("shape", SMEM_SHAPES, ids=str)
 def test_rows_in_shared_memory(run_on, shape, dtype, op):
-    """The shared-memory forward (chosen for these shapes, asserted) matches fp64: random rows; rows
-    with -inf entries and an all -inf row (NaN, as torch); rows whose first buffers hold only -inf
-    (the running max stays -inf over whole buffers); misaligned rows take split rows and match."""
-    from normkit.backends.cuda import config, smem
+    """The shared-memory forward (chosen for these shapes, asserted) matches fp64
+    (:func:`_check_rows_in_smem`)."""
+    from normkit.backends.cuda import config
 
     with run_on(Executor("cuda", "cuda"), dtype):
-        device = torch.device("cuda")
-        assert config.softmax(*shape, dtype, device, True).smem
-        seed = zlib.crc32(f"{shape}{op}{dtype}".encode())
-        check_softmax_case(op, shape, -1, dtype, device, seed=seed)
-        check_softmax_case(op, shape, -1, dtype, device, seed=seed + 1, neg_inf=True)
-        g = torch.Generator().manual_seed(seed + 2)
-        x = (torch.randn(shape, generator=g, dtype=torch.float64) * 3).to(dtype)
-        x[:, : shape[1] // 2] = float("-inf")  # at least two buffers of -inf, then finite values
-        x = x.to(device)
-        expected, _ = softmax_reference(op, x, x, -1)
-        assert_close(getattr(normkit, op)(x, -1), expected, dtype, "fwd", "y")
-        wide = torch.randn(shape[0], shape[1] + 8, generator=g, dtype=torch.float64).to(dtype).to(device)
-        x = wide[:, 8:]  # row stride N + 8: not a multiple of 16, no cp.async
-        assert not smem.rows_fit(x)
-        expected, _ = softmax_reference(op, x, x, -1)
-        assert_close(getattr(normkit, op)(x, -1), expected, dtype, "fwd", "y")
+        cfg = config.softmax(*shape, dtype, torch.device("cuda"), True)
+        assert cfg.smem and not cfg.in_parts
+        _check_rows_in_smem(op, shape, dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("op", SOFTMAX_OPS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", PARTS_SHAPES, ids=str)
+def test_rows_in_parts(run_on, shape, dtype, op):
+    """The forward in parts (chosen for these shapes, asserted) matches fp64 (:func:`_check_rows_in_smem`);
+    a second call gives the same bits."""
+    from normkit.backends.cuda import config
+
+    with run_on(Executor("cuda", "cuda"), dtype):
+        cfg = config.softmax(*shape, dtype, torch.device("cuda"), True)
+        assert cfg.smem and cfg.in_parts and cfg.parts > 1
+        _check_rows_in_smem(op, shape, dtype)
+        x = torch.randn(shape, device="cuda").to(dtype)
+        y = getattr(normkit, op)(x, -1)
+        assert torch.equal(y, getattr(normkit, op)(x, -1))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("op", SOFTMAX_OPS)
+def test_rows_in_parts_workspace_left_clean(run_on, op):
+    """The forward in parts' tagged-term workspace is left zeroed by each launch (as the row norms',
+    test_layer_norm): calls in a row with fresh inputs (3 rows: every row's terms of the call before
+    would sit under the same tags unless zeroed), on a second stream, and from a replayed CUDA
+    graph match fp64, and the workspace is zero after them."""
+    from normkit.backends.cuda import smem
+
+    dtype, shape = torch.bfloat16, (3, 131072)
+    fn = getattr(normkit, op)
+
+    def fresh(seed):
+        g = torch.Generator().manual_seed(seed)
+        return (torch.randn(shape, generator=g, dtype=torch.float64) * 3).to(dtype).cuda()
+
+    def check(x, y):
+        assert_close(y, softmax_reference(op, x, x, -1)[0], dtype, "fwd", "y")
+
+    with run_on(Executor("cuda", "cuda"), dtype):
+        for seed in range(3):
+            x = fresh(seed)
+            check(x, fn(x, -1))
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for seed in range(2):
+                x = fresh(10 + seed)
+                check(x, fn(x, -1))
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        for words, done in smem._WORKSPACES.values():
+            assert not words.any() and not done.any(), "a launch left its workspace dirty"
+        x = fresh(20)
+        with torch.cuda.stream(stream):  # warm up off the capture
+            fn(x, -1)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = fn(x, -1)
+        for seed in range(3):
+            x.copy_(fresh(30 + seed))
+            graph.replay()
+            check(x, y)

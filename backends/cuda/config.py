@@ -314,7 +314,9 @@ def forward(M: int, N: int, dtype: torch.dtype, device: torch.device, kind: str 
 #   8192: 0.70-0.86; split rows 0.68-0.73); fused at 32768 (0.95 vs 0.92).
 # - softmax / log_softmax: 8192 (0.87-0.91 / 0.89-0.92 at 40000-65536, 0.80-0.85 at 98304-114688;
 #   16384: 0.83 / 0.92 at 40000, level elsewhere: SMEM_WIDE; split rows 0.76-0.84); fused at 32768
-#   (0.94-0.95 vs 0.91-0.935).
+#   (0.94-0.95 vs 0.91-0.935). With each thread's own running max and sum (v29, ab-parts.txt):
+#   0.925 / 0.906 softmax and 0.933 / 0.919 log_softmax at 65536 / 98304 (16384: 0.922 / 0.901,
+#   0.932 / 0.910; the kernel before: 0.867-0.870 / 0.807-0.810, 0.897-0.902 / 0.852-0.859).
 # - fp32: rows of 32768 read 0.93-0.97 vs the fused kernels' 0.96-1.00.
 SMEM_FWD = {"layer_norm": (16384, 16, 32769), "rms_norm": (8192, 16, 32769), "softmax": (8192, 16, 32769)}
 # Longer rows of these kinds take (shortest row, chunk elements) instead. Softmax in 8192-element
@@ -439,7 +441,8 @@ def _smem_config(M: int, N: int, dtype: torch.dtype, device: torch.device, chunk
     return LaunchConfig(chunk, warps, 1, grid, False, chunks, prefetch=spare, smem=True)
 
 
-# Rows in parts, forward (16-bit row norms; layer_norm._fwd_smem_split_kernel): K = cdiv(N, width)
+# Rows in parts, forward (16-bit row norms, layer_norm._fwd_smem_split_kernel; softmax,
+# softmax._fwd_smem_split_kernel): K = cdiv(N, width)
 # co-resident programs share a row, each streaming its part (x, and the residual for the add-norms)
 # through shared memory DEPTH rows deep and holding its part of the weight and bias there,
 # exchanging tagged row terms. Per kind: (shortest row, settings (chunk elements, buffers a part,
@@ -452,12 +455,18 @@ def _smem_config(M: int, N: int, dtype: torch.dtype, device: torch.device, chunk
 # - Parts narrower than the buffers cost: cut evenly into more parts (65536 = 6 x 10928 of 16384)
 #   LayerNorm read 0.70-0.72, RMSNorm 0.77-0.79 (a program's time a row is its buffers', not its
 #   columns'); 8192-column parts 0.68-0.75.
-# - softmax / log_softmax in parts (max and sum terms) read 0.60-0.77 / 0.75-0.82 against 0.78-0.87 /
-#   0.81-0.90: not used.
+# - softmax / log_softmax in parts (v29, ab-parts.txt; each part's max and sum of exp(x - max) in one
+#   read, a running max a thread): 8192 x 3, 3 deep 0.901 / 0.919 softmax, 0.913 / 0.923 log_softmax
+#   at 131072 / 262144 vs split rows 0.793 / 0.776, 0.835 / 0.807 (16 warps 0.79-0.90; 16384 x 1
+#   0.876-0.885; 8192 x 2 0.860-0.884; 16384 x 2 at 16 warps 2 deep 0.880-0.899; 8192 x 4 at 16
+#   warps 2 deep 0.882-0.907). At 98304 the one-program kernel stays (0.906 / 0.919 vs 0.894 / 0.897):
+#   rows in parts from the first length one program cannot hold. (v27's kernel, two reads of a part
+#   and a chunk's max over the whole program, read 0.60-0.77 / 0.75-0.82.)
 SMEM_SPLIT_FWD = {
     "layer_norm": (131072, ((16384, 1, 8, 3), (8192, 2, 8, 3))),
     "rms_norm": (131072, ((8192, 3, 8, 3), (16384, 1, 8, 3), (8192, 2, 8, 3))),
     "add_norm": (65536, ((8192, 2, 8, 2), (4096, 4, 8, 2), (4096, 2, 8, 2))),
+    "softmax": (114689, ((8192, 3, 8, 3), (8192, 2, 8, 3))),
 }
 # Term slots a row group (smem.row_terms; smem.MIN_RING at least), per kind of forward and for the
 # backward (keyed by whether it writes the residual's gradient). H100, M * N = 2^27, GPU time, one
@@ -469,7 +478,9 @@ SMEM_SPLIT_FWD = {
 #   0.872 with 32; RMSNorm 65536 0.915 / 0.935; add_layer_norm 0.836 / 0.855 -> 0.883 / 0.879).
 # Why more slots help some kinds and not others is not diagnosed (each setting's results bitwise
 # equal across slots); the slots cost only their zeroing by a group's last program.
-SMEM_SPLIT_RING = {"layer_norm": 4, "rms_norm": 4, "add_norm": 32}
+# - softmax / log_softmax (v29): 32 as good or better (8192 x 3: 0.901 / 0.919 with 32, 0.901 / 0.915
+#   with 4; 16 warps and 2 deep gain up to 0.08 with 32).
+SMEM_SPLIT_RING = {"layer_norm": 4, "rms_norm": 4, "add_norm": 32, "softmax": 32}
 SMEM_SPLIT_BWD_RING = {False: 32, True: 32}
 
 
@@ -498,9 +509,10 @@ def smem_split_forward(M: int, N: int, dtype: torch.dtype, device: torch.device,
 
 @_memoized
 def softmax(M: int, N: int, dtype: torch.dtype, device: torch.device, smem_ok: bool = False) -> LaunchConfig:
-    """Softmax / log_softmax forward: the row-norm forward's tiling, with its own split-row
-    setting (``SPLIT_FWD[..., "softmax"]``, measured; perf-notes v16). The fused limit is the row
-    norms' (a row of x in registers), not measured separately for softmax."""
+    """Softmax / log_softmax forward: the row-norm forward's tiling (fused, rows in shared memory, in
+    parts), with its own settings (``SMEM_FWD``, ``SMEM_SPLIT_FWD`` and split-row ``SPLIT_FWD``
+    "softmax", measured; perf-notes v16, v24, v29). The fused limit is the row norms' (a row of x in
+    registers), not measured separately for softmax."""
     return forward(M, N, dtype, device, "softmax", smem_ok)
 
 

@@ -2,10 +2,12 @@
 
 Fused: whole rows in registers, ROWS rows per program (max, exp, sum in one read of x). Shared
 memory (16-bit rows that fit one SM's shared memory; smem.py): one program per SM streams rows
-through shared-memory buffers, one read of x. Split rows: a row's chunks on co-resident programs
-that exchange partial max / sum (coop.py). Looped: one program per row sweeps column tiles twice:
-an online max/sum (rescaling the running sum when the max grows), then the output. Rows of all
--inf give NaN, as in torch.
+through shared-memory buffers, one read of x, each thread keeping its own running max and sum.
+Rows in parts (16-bit rows longer than that): K co-resident programs a row, each streaming its part
+through shared memory and exchanging the part's (max, sum) as tagged words. Split rows: a row's
+chunks on co-resident programs that exchange partial max / sum (coop.py). Looped: one program per
+row sweeps column tiles twice: an online max/sum (rescaling the running sum when the max grows),
+then the output. Rows of all -inf give NaN, as in torch.
 """
 
 from __future__ import annotations
@@ -147,6 +149,45 @@ def _fwd_split_kernel(
         tl.store(Y + r64 * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
+# Shared-memory kernels' statistics: each thread keeps a running max of the values it reads and the
+# sum of exp(x - max) over them, rescaled when its max grows. A chunk's max is first taken over the
+# thread's own values only (no shuffle, no barrier), so a chunk costs one exp an element; the
+# threads' terms are merged once a row (part). exp is exp2 of x * log2(e) less the scaled max (one
+# FFMA an element).
+_LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@smem.jit
+def _thread_terms(x, m, s, lay3: gl.constexpr, T: gl.constexpr, VEC: gl.constexpr):
+    """Fold chunk ``x`` ([CHUNK] fp32 in the copies' layout: VEC values a thread, T threads, -inf
+    outside the row) into each thread's running max ``m`` and sum ``s`` of exp(x - m) ([T]). A
+    thread all of whose values are -inf keeps (-inf, 0)."""
+    x3 = gl.convert_layout(gl.reshape(x, [x.shape[0] // (T * VEC), T, VEC]), lay3, assert_trivial=True)
+    m_new = gl.maximum(m, gl.max(gl.max(x3, axis=2), axis=0))
+    shift = gl.where(m_new == float("-inf"), 0.0, m_new) * _LOG2E  # no -inf - -inf (NaN) in the sum
+    e = gl.exp2(x3 * _LOG2E - gl.expand_dims(gl.expand_dims(shift, 0), 2))
+    return m_new, s * gl.exp2(m * _LOG2E - shift) + gl.sum(gl.sum(e, axis=2), axis=0)
+
+
+@smem.jit
+def _merge_terms(m, s):
+    """The max and the sum of exp(x - max) over the terms ``m``, ``s`` (a tensor of each: maxes and
+    sums of exp(x - its max), -inf and 0 where empty), in a fixed order. All empty: (-inf, 0)."""
+    top = gl.max(m, axis=0)
+    shift = gl.where(top == float("-inf"), 0.0, top)
+    return top, gl.sum(s * gl.exp2((m - shift) * _LOG2E), axis=0)
+
+
+@smem.jit
+def _out(x, m, inv_s, LOG: gl.constexpr):
+    """The output of fp32 values ``x`` of a row whose max and sum are taken into ``m`` (log_softmax:
+    max + log(sum)) and ``inv_s`` (softmax: 1 / sum)."""
+    if LOG:
+        return x - m
+    else:
+        return gl.exp2(x * _LOG2E - m * _LOG2E) * inv_s
+
+
 @smem.jit
 def _fwd_smem_kernel(
     X,  # (M, N) 16-bit input rows, 16-byte aligned; row stride stride_x (a multiple of 16)
@@ -161,44 +202,134 @@ def _fwd_smem_kernel(
     LOG: gl.constexpr,
 ):
     """Persistent grid, one program per SM; rows stream through shared memory as in the row norms'
-    shared-memory forward (layer_norm.py, smem.py): the max and sum of exp(x - max) from the buffers
-    as the chunks land (per chunk: its max, then the running sum rescaled to it, one exp an
-    element), then per chunk: read it back, start the stream's next copy into its buffer, store."""
+    shared-memory forward (layer_norm.py, smem.py): each thread's max and sum of exp(x - max) from
+    the buffers as the chunks land (:func:`_thread_terms`), merged once a row, then per chunk: read
+    it back, start the stream's next copy into its buffer, store."""
     NW: gl.constexpr = gl.num_warps()
-    VEC: gl.constexpr = 8  # 16 bytes of 16-bit values per thread and copy
+    VEC: gl.constexpr = 128 // X.dtype.element_ty.primitive_bitwidth  # 16 bytes a thread and copy
+    T: gl.constexpr = 32 * NW
     layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [NW], [0])
+    lay3: gl.constexpr = gl.BlockedLayout([1, 1, VEC], [1, 32, 1], [1, NW, 1], [2, 1, 0])
+    per_thread: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, lay3))
     buf, offs = smem.open_stream(X, M, N, stride_x, layout, CHUNK, CHUNKS, SPARE)
     nprog = gl.num_programs(0)
     base = gl.program_id(0) * 0  # buffer of the row's chunk 0
     for row in range(gl.program_id(0), M, nprog):
-        m = float("-inf")
-        acc = gl.zeros([CHUNK], gl.float32, layout)  # per column slot: sum of exp(x - m)
+        m = gl.full([T], float("-inf"), gl.float32, per_thread)
+        s = gl.zeros([T], gl.float32, per_thread)
         for c in gl.static_range(CHUNKS):
             x = smem.landed(buf, base, c, CHUNKS, SPARE).load(layout).to(gl.float32)
             if c + 1 == CHUNKS:
                 x = gl.where(c * CHUNK + offs < N, x, float("-inf"))
-            m_new = gl.maximum(m, gl.max(x, axis=0))
-            # while every value seen is -inf, shift by 0: no -inf - -inf (NaN) enters the sum
-            shift = gl.where(m_new == float("-inf"), 0.0, m_new)
-            acc = acc * gl.exp(m - shift) + gl.exp(x - shift)
-            m = m_new
-        s = gl.sum(acc, axis=0)  # a row of all -inf: m = -inf, s = 0, NaN out, as in torch
+            m, s = _thread_terms(x, m, s, lay3, T, VEC)
+        m, s = _merge_terms(m, s)  # a row of all -inf: m = -inf, s = 0, NaN out, as in torch
+        inv_s = 1.0 / s
         if LOG:
             m = m + gl.log(s)
-        else:
-            inv_s = 1.0 / s
         for c in gl.static_range(CHUNKS):
             cols = c * CHUNK + offs
             dst = smem.slot(buf, base, c, CHUNKS, SPARE)
             x = dst.load(layout)
             smem.refill(dst, X, row, M, N, stride_x, offs, c, CHUNK, CHUNKS, SPARE)
-            if LOG:
-                y = x.to(gl.float32) - m
-            else:
-                y = gl.exp(x.to(gl.float32) - m) * inv_s
+            y = _out(x.to(gl.float32), m, inv_s, LOG)
             gl.store(Y + row.to(gl.int64) * stride_y + cols, y.to(Y.dtype.element_ty), mask=cols < N)
         base = smem.next_base(base, CHUNKS, SPARE)
     cp.wait_group(0)
+
+
+@smem.jit
+def _part_terms(bx, base, end, offs, layout: gl.constexpr, lay3: gl.constexpr, T: gl.constexpr,
+                VEC: gl.constexpr, WAIT: gl.constexpr, CHUNK: gl.constexpr, CHUNKS: gl.constexpr,
+                NBUF: gl.constexpr):  # fmt: skip
+    """A row part's max and sum of exp(x - max) from its CHUNKS buffers (chunk c in buffer (base + c)
+    % NBUF; ``end``: the part's columns counted from its first, chunk 0's offsets ``offs``), waiting
+    for each to land (WAIT - c copy groups may still be pending after chunk c), in one read. A
+    part of all -inf: (-inf, 0)."""
+    per_thread: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, lay3))
+    m = gl.full([T], float("-inf"), gl.float32, per_thread)
+    s = gl.zeros([T], gl.float32, per_thread)
+    for c in gl.static_range(CHUNKS):
+        cp.wait_group(WAIT - c)
+        x = bx.index((base + c) % NBUF).load(layout).to(gl.float32)
+        x = gl.where(c * CHUNK + offs < end, x, float("-inf"))  # columns past the part landed as zeros
+        m, s = _thread_terms(x, m, s, lay3, T, VEC)
+    return _merge_terms(m, s)
+
+
+@smem.jit
+def _fwd_smem_split_kernel(
+    X,  # (M, N) 16-bit input rows, 16-byte aligned; row stride stride_x (a multiple of 16)
+    Y,  # (M, N) out; row stride stride_y
+    Terms,  # (groups, RING, 2, KP) int64, zeroed: part k's max, sum of exp(x - max), tagged (smem.row_terms)
+    Done,  # (groups,) int64 counters, zero: a group's last program done zeroes its Terms (smem.release)
+    stride_x,
+    stride_y,
+    M,
+    N,  # a multiple of 16
+    K,  # parts a row: program pid holds part pid % K (columns [k * P, min(N, (k + 1) * P))) of group pid // K
+    P,  # columns a part, a multiple of 16 in ((CHUNKS - 1) * CHUNK, CHUNKS * CHUNK]; N <= K * P
+    CHUNK: gl.constexpr,  # columns per shared-memory buffer
+    CHUNKS: gl.constexpr,  # buffers a row part
+    SPARE: gl.constexpr,  # extra buffers (0 or 1)
+    DEPTH: gl.constexpr,  # rows of buffers (2 or 3): a row's copies start DEPTH - 1 row steps early
+    KP: gl.constexpr,  # next_pow2(K)
+    RING: gl.constexpr,  # term slots a row group (>= smem.MIN_RING)
+    LOG: gl.constexpr,
+):
+    """The row norms' forward in parts (layer_norm._fwd_smem_split_kernel) for softmax: K
+    co-resident programs share a row (grid = groups x K <= SMs), each streaming its part through
+    shared memory DEPTH rows deep. Per row step: the next row's part (max, sum) is taken in one read
+    as its chunks land and published; this row's K terms (their load started before) are merged
+    (the largest max, the sums rescaled to it, in k's order: the same in every part), and the part
+    is written while its buffers take the row after next."""
+    NW: gl.constexpr = gl.num_warps()
+    VEC: gl.constexpr = 128 // X.dtype.element_ty.primitive_bitwidth  # 16 bytes a thread and copy
+    T: gl.constexpr = 32 * NW
+    layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [NW], [0])
+    lay3: gl.constexpr = gl.BlockedLayout([1, 1, VEC], [1, 32, 1], [1, NW, 1], [2, 1, 0])
+    small: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+    NBUF: gl.constexpr = DEPTH * CHUNKS + SPARE
+    pid = gl.program_id(0)
+    groups = gl.num_programs(0) // K
+    group = pid // K
+    k = pid % K
+    offs = gl.arange(0, CHUNK, layout=layout)
+    end = gl.minimum(N, (k + 1) * P)
+    col0 = k * P + offs  # chunk 0's columns of this program's part
+    width = end - k * P  # the part's columns
+    bx, _ = smem.open_parts(X, M, stride_x, group, groups, end, col0, CHUNK, CHUNKS, NBUF)
+    ks = gl.arange(0, KP, layout=small)
+    # the group's first row: its terms from the prologue's copies (NBUF groups committed)
+    t1, t2 = _part_terms(bx, 0, width, offs, layout, lay3, T, VEC, NBUF - 1, CHUNK, CHUNKS, NBUF)
+    smem.publish_pair(smem.row_terms(Terms, group, groups, KP, RING), k, t1, t2, KP, True, group + 1)
+    base = pid * 0  # buffer of this row's chunk 0
+    for row in range(group, M, groups):
+        r64 = row.to(gl.int64)
+        mine = smem.row_terms(Terms, row, groups, KP, RING)
+        # this row's terms: their load in flight during the next row's terms
+        w1, w2 = smem.request_pair(mine, K, KP, small, True, row + 1)
+        nxt = row + groups
+        if nxt < M:
+            # committed: NBUF + CHUNKS a row done; after the next row's chunk c: (DEPTH - 1) * CHUNKS
+            # + SPARE - 1 - c
+            n1, n2 = _part_terms(bx, (base + CHUNKS) % NBUF, width, offs, layout, lay3, T, VEC,
+                                 (DEPTH - 1) * CHUNKS + SPARE - 1, CHUNK, CHUNKS, NBUF)  # fmt: skip
+            smem.publish_pair(smem.row_terms(Terms, nxt, groups, KP, RING), k, n1, n2, KP, True, nxt + 1)
+        maxes = gl.where(ks < K, smem.collect(w1, mine, K, KP, small, row + 1), float("-inf"))
+        m, s = _merge_terms(maxes, smem.collect(w2, mine + KP, K, KP, small, row + 1))
+        inv_s = 1.0 / s  # a row of all -inf: m = -inf, s = 0, NaN out, as in torch
+        if LOG:
+            m = m + gl.log(s)
+        for c in gl.static_range(CHUNKS):
+            cols = col0 + c * CHUNK
+            at = (base + c) % NBUF
+            x = bx.index(at).load(layout)
+            smem.refill_part(bx, at, X, row, groups, M, end, stride_x, col0, c, CHUNK, CHUNKS, SPARE, DEPTH)
+            y = _out(x.to(gl.float32), m, inv_s, LOG)
+            gl.store(Y + r64 * stride_y + cols, y.to(Y.dtype.element_ty), mask=cols < end)
+        base = (base + CHUNKS) % NBUF
+    cp.wait_group(0)
+    smem.release(Done + group, Terms + group * (RING * 2 * KP), RING * 2 * KP, K, small)
 
 
 @triton.jit
@@ -343,6 +474,9 @@ def softmax_fwd(x, log):
     if cfg.fused:
         launch(_fwd_fused_kernel, cfg.grid, x, y, x.stride(0), y.stride(0), M, N, key=key,
                                     ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size, **flags)  # fmt: skip
+    elif cfg.smem and cfg.in_parts:
+        launch(_fwd_smem_split_kernel, cfg.grid, x, y, *_terms(cfg, x.device), x.stride(0), y.stride(0), M, N,
+               cfg.parts, cfg.part, key=key, **_smem_meta(cfg, log))  # fmt: skip
     elif cfg.smem:
         launch(_fwd_smem_kernel, cfg.grid, x, y, x.stride(0), y.stride(0), M, N, key=key,
                **_smem_meta(cfg, log))
@@ -357,18 +491,29 @@ def softmax_fwd(x, log):
 
 
 def _smem_meta(cfg, log) -> dict:
-    """Launch keywords of ``_fwd_smem_kernel`` from its config."""
-    return dict(CHUNK=cfg.block_size, CHUNKS=cfg.split, SPARE=int(cfg.prefetch), LOG=log,
-                num_warps=cfg.num_warps)
+    """Launch keywords of ``_fwd_smem_kernel`` (``_fwd_smem_split_kernel`` for rows in parts) from its
+    config."""
+    meta = dict(CHUNK=cfg.block_size, CHUNKS=cfg.split, SPARE=int(cfg.prefetch), LOG=log,
+                num_warps=cfg.num_warps)  # fmt: skip
+    if cfg.in_parts:
+        return dict(meta, DEPTH=cfg.depth, KP=triton.next_power_of_2(cfg.parts), RING=cfg.ring)
+    return meta
+
+
+def _terms(cfg, device) -> tuple:
+    """The rows in parts' tagged-term workspace and its counters (smem.terms_workspace)."""
+    return smem.terms_workspace(cfg.grid[0] // cfg.parts, cfg.parts, cfg.ring, device)
 
 
 def plan_softmax(x, log, grad=False):
     """A plan for softmax / log_softmax calls along the last dim shaped like this one (contract
-    extension, see layer_norm.plan_row_norm), for contiguous inputs of x's M * N elements: the fused
-    or split-row kernels, called directly (split rows: with a fresh workspace each call). Inference:
+    extension, see layer_norm.plan_row_norm), for contiguous inputs of x's M * N elements: the fused,
+    shared-memory or split-row kernels, called directly (split rows: with a fresh workspace each
+    call). Inference:
     ``run(input) -> y``, one launch. Training (``grad``): ``(forward, backward)``, ``forward(input)
-    -> y`` and ``backward(dy, y) -> dx`` with dy contiguous and 16-byte aligned. None where a
-    direction takes the looped kernels, or off the GPU."""
+    -> y`` and ``backward(dy, y) -> dx`` with dy contiguous and 16-byte aligned. Rows in parts take
+    the workspace of the current stream at each call. None where a direction takes the looped
+    kernels, or off the GPU."""
     M, N = x.shape
     cfg = config.softmax(M, N, x.dtype, x.device, smem.rows_fit(x))
     if x.device.type != "cuda" or not (cfg.fused or cfg.smem or cfg.split > 1):
@@ -379,14 +524,17 @@ def plan_softmax(x, log, grad=False):
         bound = Bound(_fwd_fused_kernel, cfg.grid, index, ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size,
                       num_warps=cfg.num_warps, **flags)  # fmt: skip
     elif cfg.smem:
-        bound = Bound(_fwd_smem_kernel, cfg.grid, index, **_smem_meta(cfg, log))
+        fn = _fwd_smem_split_kernel if cfg.in_parts else _fwd_smem_kernel
+        bound = Bound(fn, cfg.grid, index, **_smem_meta(cfg, log))
     else:
         bound = Bound(_fwd_split_kernel, cfg.grid, index, num_warps=cfg.num_warps, **coop.split_meta(cfg),
                       **flags)  # fmt: skip
 
     def run(x):
         y = torch.empty_like(x)
-        if cfg.fused or cfg.smem:
+        if cfg.smem and cfg.in_parts:
+            bound(x, y, *_terms(cfg, x.device), N, N, M, N, cfg.parts, cfg.part)
+        elif cfg.fused or cfg.smem:
             bound(x, y, N, N, M, N)
         else:
             bound(x, y, N, N, *coop.workspace(M, 2, cfg.split, acc, x.device), M, N, cfg.split)

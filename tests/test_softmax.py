@@ -101,9 +101,11 @@ def test_softmax_empty_like_torch(op, shape):
 # Rows resident in shared memory (CUDA, 16-bit, N a multiple of 16 over the fused limit, up to what
 # one program's shared memory holds): as test_layer_norm.SMEM_SHAPES.
 SMEM_SHAPES = [(1, 40000), (300, 40000), (3, 65536), (140, 114688)]
-# Rows in parts (longer rows: K programs a row); N = 200000 and 270336 cut into parts whose last one
-# is shorter, 133 rows over 132 SMs' row groups, one row.
+# Rows in parts (longer rows: K programs a row; fp32 from past the fused limit); N = 200000 and
+# 270336 cut into parts whose last one is shorter, 133 rows over 132 SMs' row groups, one row.
 PARTS_SHAPES = [(3, 131072), (133, 131072), (9, 262144), (2, 270336), (1, 200000)]
+PARTS_CASES = [(shape, dtype) for shape in PARTS_SHAPES for dtype in DTYPES]
+PARTS_CASES += [((3, 40000), torch.float32), ((300, 49152), torch.float32), ((2, 65536), torch.float32)]
 
 
 def _check_rows_in_smem(op, shape, dtype):
@@ -146,19 +148,21 @@ def test_rows_in_shared_memory(run_on, shape, dtype, op):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("op", SOFTMAX_OPS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("shape", PARTS_SHAPES, ids=str)
+@pytest.mark.parametrize("shape,dtype", PARTS_CASES, ids=str)
 def test_rows_in_parts(run_on, shape, dtype, op):
-    """The forward in parts (chosen for these shapes, asserted) matches fp64 (:func:`_check_rows_in_smem`);
-    a second call gives the same bits."""
+    """The forward in parts (chosen for these shapes, asserted) matches fp64 (:func:`_check_rows_in_smem`),
+    also on rows of 1000 + 3 randn (the exponent formed as x - max, exact, not x * log2(e) less the
+    max's); a second call gives the same bits."""
     from normkit.backends.cuda import config
 
     with run_on(Executor("cuda", "cuda"), dtype):
         cfg = config.softmax(*shape, dtype, torch.device("cuda"), True)
         assert cfg.smem and cfg.in_parts and cfg.parts > 1
         _check_rows_in_smem(op, shape, dtype)
-        x = torch.randn(shape, device="cuda").to(dtype)
+        g = torch.Generator().manual_seed(zlib.crc32(f"{shape}{op}{dtype}big".encode()))
+        x = (1000 + 3 * torch.randn(shape, generator=g, dtype=torch.float64)).to(dtype).cuda()
         y = getattr(normkit, op)(x, -1)
+        assert_close(y, softmax_reference(op, x, x, -1)[0], dtype, "fwd", "y")
         assert torch.equal(y, getattr(normkit, op)(x, -1))
 
 

@@ -421,13 +421,14 @@ def smem_split_backward(M: int, N: int, dtype: torch.dtype, device: torch.device
 
 
 def _smem_config(M: int, N: int, dtype: torch.dtype, device: torch.device, chunk: int, warps: int,
-                 streams: int, held: int = 0) -> LaunchConfig | None:  # fmt: skip
-    """What :func:`smem_row`, :func:`smem_backward` and :func:`smem_split_backward` share: None off a
-    CUDA device of compute capability 8.0+ (``cp.async``), without Gluon (smem.AVAILABLE), for other
-    than 16-bit rows, or where a row of ``streams`` tensors in CHUNK-element buffers does not fit one
-    program's shared memory beside ``held`` bytes; else one program per SM (grid min(M, SMs)),
+                 streams: int, held: int = 0, itemsizes: tuple = (2,)) -> LaunchConfig | None:  # fmt: skip
+    """What :func:`smem_row`, :func:`smem_backward`, :func:`smem_split_backward` and
+    :func:`smem_split_forward` share: None off a CUDA device of compute capability 8.0+
+    (``cp.async``), without Gluon (smem.AVAILABLE), for rows of an element size not in ``itemsizes``
+    (16-bit by default), or where a row of ``streams`` tensors in CHUNK-element buffers does not fit
+    one program's shared memory beside ``held`` bytes; else one program per SM (grid min(M, SMs)),
     ``split`` = buffers a row, ``prefetch``: one spare buffer (of each stream) where it fits."""
-    if device.type != "cuda" or dtype.itemsize != 2 or not smem.AVAILABLE:
+    if device.type != "cuda" or dtype.itemsize not in itemsizes or not smem.AVAILABLE:
         return None
     if torch.cuda.get_device_capability(device) < (8, 0):
         return None
@@ -468,6 +469,12 @@ SMEM_SPLIT_FWD = {
     "add_norm": (65536, ((8192, 2, 8, 2), (4096, 4, 8, 2), (4096, 2, 8, 2))),
     "softmax": (114689, ((8192, 3, 8, 3), (8192, 2, 8, 3))),
 }
+# fp32 rows in parts (only softmax: no weight to hold beside the buffers), same key and measurement
+# (v29, ab-production.txt, direct launches; split rows in production then): softmax / log_softmax
+# 4096 x 3, 3 deep 0.951 / 0.963 / 0.961 and 0.951 / 0.964 / 0.957 at 65536 / 131072 / 262144 vs
+# split rows 0.878 / 0.848 / 0.801 and 0.906 / 0.860 / 0.806 (4096 x 4: 0.935-0.962, 8192 x 2:
+# 0.935-0.959, 4096 x 2: 0.902-0.911, 8192 x 1: 0.917-0.930). From past the fused limit.
+SMEM_SPLIT_FWD_FP32 = {"softmax": (FUSED_MAX_N_FWD + 1, ((4096, 3, 8, 3), (4096, 2, 8, 3)))}
 # Term slots a row group (smem.row_terms; smem.MIN_RING at least), per kind of forward and for the
 # backward (keyed by whether it writes the residual's gradient). H100, M * N = 2^27, GPU time, one
 # process, 4 / 8 / 16 / 32 slots (perf-notes v28, ring-ab.txt), bf16 at N = 131072 / 262144:
@@ -486,19 +493,21 @@ SMEM_SPLIT_BWD_RING = {False: 32, True: 32}
 
 def smem_split_forward(M: int, N: int, dtype: torch.dtype, device: torch.device, kind: str,
                        held: int = 0) -> LaunchConfig | None:  # fmt: skip
-    """Row forward with each row shared by K programs in shared memory (:data:`SMEM_SPLIT_FWD`), or
-    None: a kind without the path, a row shorter than the kind's shortest, or no setting meeting
+    """Row forward with each row shared by K programs in shared memory (:data:`SMEM_SPLIT_FWD`; fp32
+    rows: :data:`SMEM_SPLIT_FWD_FP32`), or None: a kind without the path (for the dtype), a row
+    shorter than the kind's shortest, or no setting meeting
     :func:`_smem_config`'s conditions for DEPTH rows of a part (of x, and of the residual for
     "add_norm") beside ``held`` bytes a column (the part's weight and bias). K = cdiv(N, width), P
     = N / K rounded up to 16 (``split`` = buffers a part, ``parts`` = K, ``part`` = P, ``depth``);
     grid = groups x K <= SMs, one program per SM."""
-    if kind not in SMEM_SPLIT_FWD or N < SMEM_SPLIT_FWD[kind][0]:
+    table = SMEM_SPLIT_FWD_FP32 if dtype.itemsize == 4 else SMEM_SPLIT_FWD
+    if kind not in table or N < table[kind][0]:
         return None
     streams = 2 if kind == "add_norm" else 1
-    for chunk, chunks, warps, depth in SMEM_SPLIT_FWD[kind][1]:
+    for chunk, chunks, warps, depth in table[kind][1]:
         width = chunk * chunks
         K = triton.cdiv(N, width)
-        cfg = _smem_config(M, depth * width, dtype, device, chunk, warps, streams, width * held)
+        cfg = _smem_config(M, depth * width, dtype, device, chunk, warps, streams, width * held, (2, 4))
         if cfg is not None and K <= sm_count(device):
             P = triton.cdiv(triton.cdiv(N, K), 16) * 16
             groups = max(1, min(M, sm_count(device) // K))

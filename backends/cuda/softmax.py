@@ -152,8 +152,9 @@ def _fwd_split_kernel(
 # Shared-memory kernels' statistics: each thread keeps a running max of the values it reads and the
 # sum of exp(x - max) over them, rescaled when its max grows. A chunk's max is first taken over the
 # thread's own values only (no shuffle, no barrier), so a chunk costs one exp an element; the
-# threads' terms are merged once a row (part). exp is exp2 of x * log2(e) less the scaled max (one
-# FFMA an element).
+# threads' terms are merged once a row (part). exp(v) is exp2(v * log2(e)) of v = x - max (formed
+# first, so the exponent stays exact for large x); softmax's output exp2((x - max) * log2(e) -
+# log2(sum)) folds the division into the exponent.
 _LOG2E = tl.constexpr(1.4426950408889634)
 
 
@@ -164,9 +165,9 @@ def _thread_terms(x, m, s, lay3: gl.constexpr, T: gl.constexpr, VEC: gl.constexp
     thread all of whose values are -inf keeps (-inf, 0)."""
     x3 = gl.convert_layout(gl.reshape(x, [x.shape[0] // (T * VEC), T, VEC]), lay3, assert_trivial=True)
     m_new = gl.maximum(m, gl.max(gl.max(x3, axis=2), axis=0))
-    shift = gl.where(m_new == float("-inf"), 0.0, m_new) * _LOG2E  # no -inf - -inf (NaN) in the sum
-    e = gl.exp2(x3 * _LOG2E - gl.expand_dims(gl.expand_dims(shift, 0), 2))
-    return m_new, s * gl.exp2(m * _LOG2E - shift) + gl.sum(gl.sum(e, axis=2), axis=0)
+    shift = gl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf (NaN) in the sum
+    e = gl.exp2((x3 - gl.expand_dims(gl.expand_dims(shift, 0), 2)) * _LOG2E)
+    return m_new, s * gl.exp2((m - shift) * _LOG2E) + gl.sum(gl.sum(e, axis=2), axis=0)
 
 
 @smem.jit
@@ -179,13 +180,22 @@ def _merge_terms(m, s):
 
 
 @smem.jit
-def _out(x, m, inv_s, LOG: gl.constexpr):
-    """The output of fp32 values ``x`` of a row whose max and sum are taken into ``m`` (log_softmax:
-    max + log(sum)) and ``inv_s`` (softmax: 1 / sum)."""
+def _offset(s, LOG: gl.constexpr):
+    """What :func:`_out` subtracts after the row's max, from the row's sum ``s`` of exp(x - max):
+    log(s) (log_softmax), log2(s) (softmax). A row of all -inf (s = 0): -inf, NaN out, as torch."""
     if LOG:
-        return x - m
+        return gl.log(s)
     else:
-        return gl.exp2(x * _LOG2E - m * _LOG2E) * inv_s
+        return gl.log2(s)
+
+
+@smem.jit
+def _out(x, m, off, LOG: gl.constexpr):
+    """The output of fp32 values ``x`` of a row of max ``m`` and :func:`_offset` ``off``."""
+    if LOG:
+        return (x - m) - off
+    else:
+        return gl.exp2((x - m) * _LOG2E - off)
 
 
 @smem.jit
@@ -200,6 +210,7 @@ def _fwd_smem_kernel(
     CHUNKS: gl.constexpr,  # buffers a row
     SPARE: gl.constexpr,  # extra buffers (0 or 1): the row after next starts landing a chunk early
     LOG: gl.constexpr,
+    MASK: gl.constexpr,  # N < CHUNKS * CHUNK: the last chunk's columns past N are masked
 ):
     """Persistent grid, one program per SM; rows stream through shared memory as in the row norms'
     shared-memory forward (layer_norm.py, smem.py): each thread's max and sum of exp(x - max) from
@@ -219,19 +230,17 @@ def _fwd_smem_kernel(
         s = gl.zeros([T], gl.float32, per_thread)
         for c in gl.static_range(CHUNKS):
             x = smem.landed(buf, base, c, CHUNKS, SPARE).load(layout).to(gl.float32)
-            if c + 1 == CHUNKS:
+            if MASK and c + 1 == CHUNKS:
                 x = gl.where(c * CHUNK + offs < N, x, float("-inf"))
             m, s = _thread_terms(x, m, s, lay3, T, VEC)
-        m, s = _merge_terms(m, s)  # a row of all -inf: m = -inf, s = 0, NaN out, as in torch
-        inv_s = 1.0 / s
-        if LOG:
-            m = m + gl.log(s)
+        m, s = _merge_terms(m, s)
+        off = _offset(s, LOG)
         for c in gl.static_range(CHUNKS):
             cols = c * CHUNK + offs
             dst = smem.slot(buf, base, c, CHUNKS, SPARE)
             x = dst.load(layout)
             smem.refill(dst, X, row, M, N, stride_x, offs, c, CHUNK, CHUNKS, SPARE)
-            y = _out(x.to(gl.float32), m, inv_s, LOG)
+            y = _out(x.to(gl.float32), m, off, LOG)
             gl.store(Y + row.to(gl.int64) * stride_y + cols, y.to(Y.dtype.element_ty), mask=cols < N)
         base = smem.next_base(base, CHUNKS, SPARE)
     cp.wait_group(0)
@@ -240,18 +249,20 @@ def _fwd_smem_kernel(
 @smem.jit
 def _part_terms(bx, base, end, offs, layout: gl.constexpr, lay3: gl.constexpr, T: gl.constexpr,
                 VEC: gl.constexpr, WAIT: gl.constexpr, CHUNK: gl.constexpr, CHUNKS: gl.constexpr,
-                NBUF: gl.constexpr):  # fmt: skip
+                NBUF: gl.constexpr, MASK: gl.constexpr):  # fmt: skip
     """A row part's max and sum of exp(x - max) from its CHUNKS buffers (chunk c in buffer (base + c)
     % NBUF; ``end``: the part's columns counted from its first, chunk 0's offsets ``offs``), waiting
     for each to land (WAIT - c copy groups may still be pending after chunk c), in one read. A
-    part of all -inf: (-inf, 0)."""
+    part of all -inf: (-inf, 0). ``MASK`` (:func:`parts_mask`): 0 no chunk, 1 the last, 2 every
+    chunk may hold columns past the part."""
     per_thread: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, lay3))
     m = gl.full([T], float("-inf"), gl.float32, per_thread)
     s = gl.zeros([T], gl.float32, per_thread)
     for c in gl.static_range(CHUNKS):
         cp.wait_group(WAIT - c)
         x = bx.index((base + c) % NBUF).load(layout).to(gl.float32)
-        x = gl.where(c * CHUNK + offs < end, x, float("-inf"))  # columns past the part landed as zeros
+        if MASK == 2 or (MASK == 1 and c + 1 == CHUNKS):
+            x = gl.where(c * CHUNK + offs < end, x, float("-inf"))  # columns past the part landed as zeros
         m, s = _thread_terms(x, m, s, lay3, T, VEC)
     return _merge_terms(m, s)
 
@@ -275,6 +286,7 @@ def _fwd_smem_split_kernel(
     KP: gl.constexpr,  # next_pow2(K)
     RING: gl.constexpr,  # term slots a row group (>= smem.MIN_RING)
     LOG: gl.constexpr,
+    MASK: gl.constexpr,  # which chunks may hold columns past their part (parts_mask)
 ):
     """The row norms' forward in parts (layer_norm._fwd_smem_split_kernel) for softmax: K
     co-resident programs share a row (grid = groups x K <= SMs), each streaming its part through
@@ -300,7 +312,7 @@ def _fwd_smem_split_kernel(
     bx, _ = smem.open_parts(X, M, stride_x, group, groups, end, col0, CHUNK, CHUNKS, NBUF)
     ks = gl.arange(0, KP, layout=small)
     # the group's first row: its terms from the prologue's copies (NBUF groups committed)
-    t1, t2 = _part_terms(bx, 0, width, offs, layout, lay3, T, VEC, NBUF - 1, CHUNK, CHUNKS, NBUF)
+    t1, t2 = _part_terms(bx, 0, width, offs, layout, lay3, T, VEC, NBUF - 1, CHUNK, CHUNKS, NBUF, MASK)
     smem.publish_pair(smem.row_terms(Terms, group, groups, KP, RING), k, t1, t2, KP, True, group + 1)
     base = pid * 0  # buffer of this row's chunk 0
     for row in range(group, M, groups):
@@ -313,19 +325,17 @@ def _fwd_smem_split_kernel(
             # committed: NBUF + CHUNKS a row done; after the next row's chunk c: (DEPTH - 1) * CHUNKS
             # + SPARE - 1 - c
             n1, n2 = _part_terms(bx, (base + CHUNKS) % NBUF, width, offs, layout, lay3, T, VEC,
-                                 (DEPTH - 1) * CHUNKS + SPARE - 1, CHUNK, CHUNKS, NBUF)  # fmt: skip
+                                 (DEPTH - 1) * CHUNKS + SPARE - 1, CHUNK, CHUNKS, NBUF, MASK)  # fmt: skip
             smem.publish_pair(smem.row_terms(Terms, nxt, groups, KP, RING), k, n1, n2, KP, True, nxt + 1)
         maxes = gl.where(ks < K, smem.collect(w1, mine, K, KP, small, row + 1), float("-inf"))
         m, s = _merge_terms(maxes, smem.collect(w2, mine + KP, K, KP, small, row + 1))
-        inv_s = 1.0 / s  # a row of all -inf: m = -inf, s = 0, NaN out, as in torch
-        if LOG:
-            m = m + gl.log(s)
+        off = _offset(s, LOG)
         for c in gl.static_range(CHUNKS):
             cols = col0 + c * CHUNK
             at = (base + c) % NBUF
             x = bx.index(at).load(layout)
             smem.refill_part(bx, at, X, row, groups, M, end, stride_x, col0, c, CHUNK, CHUNKS, SPARE, DEPTH)
-            y = _out(x.to(gl.float32), m, inv_s, LOG)
+            y = _out(x.to(gl.float32), m, off, LOG)
             gl.store(Y + r64 * stride_y + cols, y.to(Y.dtype.element_ty), mask=cols < end)
         base = (base + CHUNKS) % NBUF
     cp.wait_group(0)
@@ -476,10 +486,10 @@ def softmax_fwd(x, log):
                                     ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size, **flags)  # fmt: skip
     elif cfg.smem and cfg.in_parts:
         launch(_fwd_smem_split_kernel, cfg.grid, x, y, *_terms(cfg, x.device), x.stride(0), y.stride(0), M, N,
-               cfg.parts, cfg.part, key=key, **_smem_meta(cfg, log))  # fmt: skip
+               cfg.parts, cfg.part, key=key, **_smem_meta(cfg, N, log))  # fmt: skip
     elif cfg.smem:
         launch(_fwd_smem_kernel, cfg.grid, x, y, x.stride(0), y.stride(0), M, N, key=key,
-               **_smem_meta(cfg, log))
+               **_smem_meta(cfg, N, log))
     elif cfg.split > 1:
         part, count = coop.workspace(M, 2, cfg.split, config.acc_dtype(x.dtype), x.device)
         launch(_fwd_split_kernel, cfg.grid, x, y, x.stride(0), y.stride(0), part, count, M, N, cfg.split,
@@ -490,14 +500,26 @@ def softmax_fwd(x, log):
     return y
 
 
-def _smem_meta(cfg, log) -> dict:
+def _smem_meta(cfg, N, log) -> dict:
     """Launch keywords of ``_fwd_smem_kernel`` (``_fwd_smem_split_kernel`` for rows in parts) from its
-    config."""
+    config, for rows of N."""
     meta = dict(CHUNK=cfg.block_size, CHUNKS=cfg.split, SPARE=int(cfg.prefetch), LOG=log,
                 num_warps=cfg.num_warps)  # fmt: skip
+    width = cfg.split * cfg.block_size  # columns of a row's (part's) buffers
     if cfg.in_parts:
-        return dict(meta, DEPTH=cfg.depth, KP=triton.next_power_of_2(cfg.parts), RING=cfg.ring)
-    return meta
+        return dict(meta, DEPTH=cfg.depth, KP=triton.next_power_of_2(cfg.parts), RING=cfg.ring,
+                    MASK=parts_mask(N, cfg.parts, cfg.part, width, cfg.block_size))  # fmt: skip
+    return dict(meta, MASK=int(N < width))
+
+
+def parts_mask(N: int, K: int, P: int, width: int, chunk: int) -> int:
+    """Which chunks of a part may hold columns past the part, for N columns in K parts of P (the
+    last N - (K - 1) * P) in buffers of ``width`` = CHUNKS x ``chunk`` columns: 0 none (every part
+    fills its buffers), 1 the last chunk only, 2 any (the last part ends before its last chunk)."""
+    last = N - (K - 1) * P
+    if P == width and last == P:
+        return 0
+    return 1 if last > width - chunk else 2
 
 
 def _terms(cfg, device) -> tuple:
@@ -525,7 +547,7 @@ def plan_softmax(x, log, grad=False):
                       num_warps=cfg.num_warps, **flags)  # fmt: skip
     elif cfg.smem:
         fn = _fwd_smem_split_kernel if cfg.in_parts else _fwd_smem_kernel
-        bound = Bound(fn, cfg.grid, index, **_smem_meta(cfg, log))
+        bound = Bound(fn, cfg.grid, index, **_smem_meta(cfg, N, log))
     else:
         bound = Bound(_fwd_split_kernel, cfg.grid, index, num_warps=cfg.num_warps, **coop.split_meta(cfg),
                       **flags)  # fmt: skip

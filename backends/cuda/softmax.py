@@ -3,8 +3,9 @@
 Fused: whole rows in registers, ROWS rows per program (max, exp, sum in one read of x). Shared
 memory (16-bit rows that fit one SM's shared memory; smem.py): one program per SM streams rows
 through shared-memory buffers, one read of x, each thread keeping its own running max and sum.
-Rows in parts (16-bit rows longer than that): K co-resident programs a row, each streaming its part
-through shared memory and exchanging the part's (max, sum) as tagged words. Split rows: a row's
+Rows in parts (16-bit rows longer than that, fp32 rows past the fused limit): K co-resident programs
+a row, each streaming its part through shared memory and exchanging the part's (max, sum) as tagged
+words. Split rows: a row's
 chunks on co-resident programs that exchange partial max / sum (coop.py). Looped: one program per
 row sweeps column tiles twice: an online max/sum (rescaling the running sum when the max grows),
 then the output. Rows of all -inf give NaN, as in torch.
@@ -269,7 +270,7 @@ def _part_terms(bx, base, end, offs, layout: gl.constexpr, lay3: gl.constexpr, T
 
 @smem.jit
 def _fwd_smem_split_kernel(
-    X,  # (M, N) 16-bit input rows, 16-byte aligned; row stride stride_x (a multiple of 16)
+    X,  # (M, N) 16-bit or fp32 input rows, 16-byte aligned; row stride stride_x (a multiple of 16)
     Y,  # (M, N) out; row stride stride_y
     Terms,  # (groups, RING, 2, KP) int64, zeroed: part k's max, sum of exp(x - max), tagged (smem.row_terms)
     Done,  # (groups,) int64 counters, zero: a group's last program done zeroes its Terms (smem.release)
@@ -519,7 +520,7 @@ def parts_mask(N: int, K: int, P: int, width: int, chunk: int) -> int:
     last = N - (K - 1) * P
     if P == width and last == P:
         return 0
-    return 1 if last > width - chunk else 2
+    return 1 if last >= width - chunk else 2  # the last part's other chunks full
 
 
 def _terms(cfg, device) -> tuple:
@@ -531,11 +532,10 @@ def plan_softmax(x, log, grad=False):
     """A plan for softmax / log_softmax calls along the last dim shaped like this one (contract
     extension, see layer_norm.plan_row_norm), for contiguous inputs of x's M * N elements: the fused,
     shared-memory or split-row kernels, called directly (split rows: with a fresh workspace each
-    call). Inference:
-    ``run(input) -> y``, one launch. Training (``grad``): ``(forward, backward)``, ``forward(input)
-    -> y`` and ``backward(dy, y) -> dx`` with dy contiguous and 16-byte aligned. Rows in parts take
-    the workspace of the current stream at each call. None where a direction takes the looped
-    kernels, or off the GPU."""
+    call). Inference: ``run(input) -> y``, one launch. Training (``grad``): ``(forward, backward)``,
+    ``forward(input) -> y`` and ``backward(dy, y) -> dx`` with dy contiguous and 16-byte aligned.
+    Rows in parts take the workspace of the current stream at each call. None where a direction
+    takes the looped kernels, or off the GPU."""
     M, N = x.shape
     cfg = config.softmax(M, N, x.dtype, x.device, smem.rows_fit(x))
     if x.device.type != "cuda" or not (cfg.fused or cfg.smem or cfg.split > 1):

@@ -202,7 +202,9 @@ def test_more_than_2_31_elements_forward(run_on, backend):
 # one program's shared memory holds; backends/cuda/smem.py): a masked last buffer (40000), more rows
 # than programs (300) and so rows after next landing in the spare buffer, rows of full buffers
 # (65536), LayerNorm's two-pass statistics with (98304) and without (114688, the largest row) the
-# spare buffer (on the H100).
+# spare buffer (on the H100). LayerNorm rows past 65536 take rows in parts on the H100
+# (FWD_PARTS_CASES); this test keeps the one-program kernel by taking LayerNorm's rows in parts out of
+# the config (the path of GPUs with less shared memory, or a weight and bias too large to hold).
 SMEM_SHAPES = [(1, 40000), (300, 40000), (3, 65536), (2, 98304), (140, 114688)]
 
 
@@ -211,14 +213,31 @@ SMEM_SHAPES = [(1, 40000), (300, 40000), (3, 65536), (2, 98304), (140, 114688)]
                                        if op == "layer_norm" or not a[1]], ids=str)  # fmt: skip
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("shape", SMEM_SHAPES, ids=str)
-def test_rows_in_shared_memory(run_on, shape, dtype, op, affine):
-    """The shared-memory forward (chosen for these shapes, asserted) matches fp64, with and without
-    weight / bias; misaligned rows of the same shape take the split forward and match too."""
+def test_rows_in_shared_memory(run_on, monkeypatch, shape, dtype, op, affine):
+    """The one-program shared-memory forward (chosen for these shapes with LayerNorm's rows in parts
+    taken out of the config, asserted) matches fp64, with and without weight / bias; misaligned rows
+    of the same shape take the split forward and match too."""
+    from normkit import functional
+    from normkit.backends.cuda import config
+
+    monkeypatch.delitem(config.SMEM_SPLIT_FWD, "layer_norm")
+    config.clear_caches()
+    functional._PLANS.clear()  # plans hold the launch configs of their signature
+    try:
+        _check_rows_in_shared_memory(run_on, shape, dtype, op, affine)
+    finally:
+        monkeypatch.undo()
+        config.clear_caches()
+        functional._PLANS.clear()
+
+
+def _check_rows_in_shared_memory(run_on, shape, dtype, op, affine):
     from normkit.backends.cuda import config, smem
 
     with run_on(Executor("cuda", "cuda"), dtype):
         device = torch.device("cuda")
-        assert config.forward(*shape, dtype, device, op, True).smem
+        cfg = config.forward(*shape, dtype, device, op, True)
+        assert cfg.smem and not cfg.in_parts, cfg
         check_case(op, shape, 1, dtype, device, weight=affine[0], bias=affine[1],
                    seed=zlib.crc32(f"{shape}{op}{affine}".encode()))  # fmt: skip
         inputs = make_inputs(op, (shape[0], shape[1] + 8), 1, dtype, device, affine[0], affine[1], seed=3)
@@ -278,6 +297,8 @@ def test_backward_rows_in_shared_memory(run_on, op, shape, weight, bias, parted,
 FWD_PARTS_CASES = [  # (op, shape, weight, bias): forward rows in parts (config.SMEM_SPLIT_FWD on the H100)
     ("layer_norm", (4, 131072), True, True), ("layer_norm", (2, 270336), False, True),
     ("layer_norm", (9, 200000), True, False), ("layer_norm", (133, 131072), False, False),
+    ("layer_norm", (2, 98304), True, True), ("layer_norm", (140, 114688), True, True),
+    ("layer_norm", (5, 70000), True, True),
     ("rms_norm", (61, 131072), True, False), ("rms_norm", (1, 262144), False, False),
     ("rms_norm", (3, 150000), True, False),
 ]  # fmt: skip

@@ -147,16 +147,16 @@ def test_rows_in_shared_memory(run_on, shape, dtype, op):
 
 
 def test_parts_mask_covers_every_chunk_past_a_part():
-    """softmax.parts_mask (which chunks of a part the forward in parts masks) against the columns
-    of every part, for rows cut as config.smem_split_forward cuts them: every chunk that holds a
-    column past its part is masked, and the mask is no wider than needed (every N a multiple of 16
-    up to four parts: each of the three masks occurs)."""
+    """smem.parts_mask (which chunks of a part the forwards in parts mask) against the columns of
+    every part, for rows cut as config.smem_split_forward cuts them (every kind's settings): every
+    chunk that holds a column past its part is masked, and the mask is no wider than needed (every N
+    a multiple of 16 up to four parts: each of the three masks occurs)."""
     import triton
 
-    from normkit.backends.cuda import config, softmax
+    from normkit.backends.cuda import config, smem
 
     tables = (config.SMEM_SPLIT_FWD, config.SMEM_SPLIT_FWD_FP32)
-    settings = {setting[:2] for table in tables for setting in table["softmax"][1]}
+    settings = {setting[:2] for table in tables for kind in table for setting in table[kind][1]}
     seen = set()
     for chunk, chunks in sorted(settings):
         for N in [*range(16, 4 * chunk * chunks + 1, 16), *(k * chunk * chunks for k in (5, 11))]:
@@ -167,7 +167,7 @@ def test_parts_mask_covers_every_chunk_past_a_part():
             for k in range(K):
                 cols = min(N, (k + 1) * P) - k * P
                 ragged |= {c + 1 == CHUNKS for c in range(CHUNKS) if (c + 1) * chunk > cols}
-            mask = softmax.parts_mask(N, K, P, CHUNKS * chunk, chunk)
+            mask = smem.parts_mask(N, K, P, CHUNKS * chunk, chunk)
             assert mask == (2 if False in ragged else 1 if True in ragged else 0), (N, chunk, chunks, mask)
             seen.add(mask)
     assert seen == {0, 1, 2}

@@ -451,7 +451,11 @@ def _smem_config(M: int, N: int, dtype: torch.dtype, device: torch.device, chunk
 # 2^27, the kernel alone, GPU time, fraction of copy at N = 65536 / 131072 / 262144, against the
 # production forward in the same process (perf-notes v27):
 # - layer_norm: 16384 x 1, 3 deep: 0.855 / 0.861 / 0.870 (8192 x 2: 0.840 / 0.840 / 0.849; 2 deep
-#   0.80; 16 warps 0.82-0.83) vs 0.891 (one program) / 0.710 / 0.677 (split rows).
+#   0.80; 16 warps 0.82-0.83) vs 0.891 (one program) / 0.710 / 0.677 (split rows). With each part's
+#   moments in one read (v30, ln-ab.txt / ln-ab2.txt, bf16 / fp16): 16384 x 1 0.894-0.904 at 131072
+#   / 262144 (two reads 0.877-0.887), 0.900-0.908 at 81920 / 98304 against the one-program kernel's
+#   0.886-0.892 / 0.79-0.81, level at 65536 (0.877-0.880 vs 0.887-0.897): in parts from 65537. 8192
+#   x 2 0.86-0.88, 8192 x 3 2 deep 0.85-0.90, 4096 x 5 (wider parts) 0.79-0.88, 4096 x 4 0.83-0.86.
 # - rms_norm: 8192 x 3, 3 deep: 0.915 / 0.931 / 0.936 (16384 x 1: 0.908-0.918) vs 0.938 / 0.879 / 0.839.
 # - Parts narrower than the buffers cost: cut evenly into more parts (65536 = 6 x 10928 of 16384)
 #   LayerNorm read 0.70-0.72, RMSNorm 0.77-0.79 (a program's time a row is its buffers', not its
@@ -464,7 +468,7 @@ def _smem_config(M: int, N: int, dtype: torch.dtype, device: torch.device, chunk
 #   rows in parts from the first length one program cannot hold. (v27's kernel, two reads of a part
 #   and a chunk's max over the whole program, read 0.60-0.77 / 0.75-0.82.)
 SMEM_SPLIT_FWD = {
-    "layer_norm": (131072, ((16384, 1, 8, 3), (8192, 2, 8, 3))),
+    "layer_norm": (65537, ((16384, 1, 8, 3), (8192, 2, 8, 3))),
     "rms_norm": (131072, ((8192, 3, 8, 3), (16384, 1, 8, 3), (8192, 2, 8, 3))),
     "add_norm": (65536, ((8192, 2, 8, 2), (4096, 4, 8, 2), (4096, 2, 8, 2))),
     "softmax": (114689, ((8192, 3, 8, 3), (8192, 2, 8, 3))),

@@ -12,7 +12,8 @@ alignment):
   together, its dweight/dbias partials in registers) up to 24576. Longer rows are shared by K
   programs ("rows in parts"), each streaming its part of the rows and holding its part of the
   weight (and bias) in shared memory, exchanging tagged row terms (smem.publish / collect): the
-  forward (the add-norms' too) from 65536-131072 columns, the backward from 32768 (the add-LayerNorm
+  forward (the add-norms' too) from 65536-131072 columns (LayerNorm's part moments in one read,
+  each thread's own merged with Chan's formula), the backward from 32768 (the add-LayerNorm
   backward that writes the residual's gradient from 8193, in one part up to 16384).
 - split rows (coop.py): co-resident programs share a row and exchange partial statistics.
 - looped: rows longer than the register budget loop over column tiles. Forward: one program per
@@ -461,29 +462,71 @@ def _part_values(bx, br, H, at, layout: gl.constexpr, ADD: gl.constexpr, HAS_R: 
 
 
 @smem.jit
-def _fwd_part_terms(bx, br, H, base, valid, inv_count, layout: gl.constexpr, WAIT: gl.constexpr,
-                    CHUNK: gl.constexpr, CHUNKS: gl.constexpr, NBUF: gl.constexpr, IS_RMS: gl.constexpr,
-                    ADD: gl.constexpr, HAS_R: gl.constexpr):  # fmt: skip
+def _thread_moments(v, n, mean, m2, inside, lay3: gl.constexpr, T: gl.constexpr, VEC: gl.constexpr,
+                    FIRST: gl.constexpr, MASKED: gl.constexpr):  # fmt: skip
+    """Fold chunk ``v`` ([CHUNK] fp32 in the copies' layout: VEC values a thread, T threads) into each
+    thread's running count ``n``, mean ``mean`` and squared deviations about it ``m2`` ([T] each):
+    the chunk's mean and squared deviations over the thread's own values (in registers: no shuffle,
+    no barrier), merged by Chan's formula. FIRST: the first chunk (n, mean, m2 unread). MASKED: only
+    the columns where ``inside`` ([CHUNK] int, copies' layout) > 0 count (v is 0 elsewhere), else all."""
+    REPS: gl.constexpr = v.shape[0] // (T * VEC)
+    v3 = gl.convert_layout(gl.reshape(v, [REPS, T, VEC]), lay3, assert_trivial=True)
+    s = gl.sum(gl.sum(v3, axis=2), axis=0)
+    if MASKED:
+        in3 = gl.convert_layout(gl.reshape(inside, [REPS, T, VEC]), lay3, assert_trivial=True) > 0
+        nc = gl.sum(gl.sum(gl.where(in3, 1.0, 0.0), axis=2), axis=0)
+        lm = s / gl.maximum(nc, 1.0)
+        d = gl.where(in3, v3 - gl.expand_dims(gl.expand_dims(lm, 0), 2), 0.0)
+    else:
+        nc = gl.full_like(s, REPS * VEC)
+        lm = s * (1.0 / (REPS * VEC))
+        d = v3 - gl.expand_dims(gl.expand_dims(lm, 0), 2)
+    q = gl.sum(gl.sum(d * d, axis=2), axis=0)
+    if FIRST:
+        return nc, lm, q
+    total = n + nc
+    delta = lm - mean
+    f = nc / gl.maximum(total, 1.0)
+    return total, mean + delta * f, m2 + q + delta * delta * n * f
+
+
+@smem.jit
+def _merge_moments(n, mean, m2, inv_count):
+    """The mean and the squared deviations about it of values whose subsets (one a thread) have
+    counts ``n``, means ``mean`` and squared deviations ``m2`` ([T] each; 1 / ``inv_count`` values
+    in all), in a fixed order."""
+    total_mean = gl.sum(n * mean, axis=0) * inv_count
+    dm = mean - total_mean
+    return total_mean, gl.sum(m2 + n * dm * dm, axis=0)
+
+
+@smem.jit
+def _fwd_part_terms(bx, br, H, base, valid, inv_count, layout: gl.constexpr, lay3: gl.constexpr,
+                    T: gl.constexpr, VEC: gl.constexpr, WAIT: gl.constexpr, CHUNK: gl.constexpr,
+                    CHUNKS: gl.constexpr, NBUF: gl.constexpr, IS_RMS: gl.constexpr, ADD: gl.constexpr,
+                    HAS_R: gl.constexpr, MASK: gl.constexpr):  # fmt: skip
     """A row part's terms from its CHUNKS buffers (chunk c in buffer (base + c) % NBUF; ``valid``:
     chunk 0's columns inside the part, shifted by c * CHUNK for chunk c), waiting for each to land
-    (WAIT - c copy groups may still be pending after chunk c): RMSNorm the sum of squares (and 0.0);
-    LayerNorm the part's mean and its squared deviations about it (a second read of the buffers)."""
+    (WAIT - c copy groups may still be pending after chunk c), in one read: RMSNorm the sum of
+    squares (and 0.0); LayerNorm the part's mean and its squared deviations about it (each thread's
+    own, :func:`_thread_moments`, merged). ``MASK`` (smem.parts_mask): 0 no chunk, 1 the last, 2
+    every chunk may hold columns past the part (they landed as zeros; h: 0 + 0)."""
+    per_thread: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, lay3))
     acc = gl.zeros([CHUNK], gl.float32, layout)
+    n = gl.zeros([T], gl.float32, per_thread)
+    mean = gl.zeros([T], gl.float32, per_thread)
+    m2 = gl.zeros([T], gl.float32, per_thread)
     for c in gl.static_range(CHUNKS):
         cp.wait_group(WAIT - c)
         v = _part_values(bx, br, H, (base + c) % NBUF, layout, ADD, HAS_R)
-        acc += v * v if IS_RMS else v  # columns outside the part landed as zeros (h: 0 + 0)
-    t1 = gl.sum(acc, axis=0)
-    t2 = 0.0
-    if not IS_RMS:
-        t1 = t1 * inv_count
-        acc = gl.zeros([CHUNK], gl.float32, layout)
-        for c in gl.static_range(CHUNKS):
-            v = _part_values(bx, br, H, (base + c) % NBUF, layout, ADD, HAS_R)
-            d = gl.where(valid - c * CHUNK > 0, v - t1, 0.0)
-            acc += d * d
-        t2 = gl.sum(acc, axis=0)
-    return t1, t2
+        if IS_RMS:
+            acc += v * v
+        else:
+            n, mean, m2 = _thread_moments(v, n, mean, m2, valid - c * CHUNK, lay3, T, VEC, c == 0,
+                                          MASK == 2 or (MASK == 1 and c + 1 == CHUNKS))  # fmt: skip
+    if IS_RMS:
+        return gl.sum(acc, axis=0), 0.0
+    return _merge_moments(n, mean, m2, inv_count)
 
 
 @smem.jit
@@ -518,6 +561,7 @@ def _fwd_smem_split_kernel(
     HAS_B: gl.constexpr,
     ADD: gl.constexpr,  # normalize h = x + residual, stored to H
     HAS_R: gl.constexpr,
+    MASK: gl.constexpr,  # which chunks may hold columns past their part (smem.parts_mask)
 ):
     """Row forward for rows past one program's room: K co-resident programs share a row (grid =
     groups x K <= SMs, one program per SM), each streaming its part of the rows (and of the
@@ -529,7 +573,9 @@ def _fwd_smem_split_kernel(
     next. Every part merges the same words in the same order: the same statistics bitwise."""
     NW: gl.constexpr = gl.num_warps()
     VEC: gl.constexpr = 8  # 16 bytes of 16-bit values per thread and copy
+    T: gl.constexpr = 32 * NW
     layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [NW], [0])
+    lay3: gl.constexpr = gl.BlockedLayout([1, 1, VEC], [1, 32, 1], [1, NW, 1], [2, 1, 0])
     small: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
     NBUF: gl.constexpr = DEPTH * CHUNKS + SPARE
     PAIR: gl.constexpr = ADD and HAS_R
@@ -554,8 +600,8 @@ def _fwd_smem_split_kernel(
     counts = gl.minimum(gl.maximum(N - ks * P, 0), P).to(gl.float32)  # columns of each part
     inv_n = 1.0 / N.to(gl.float32)
     # the group's first row: its terms from the prologue's copies (NBUF groups committed)
-    t1, t2 = _fwd_part_terms(bx, br, H, 0, valid, inv_count, layout, NBUF - 1, CHUNK, CHUNKS, NBUF, IS_RMS,
-                             ADD, HAS_R)  # fmt: skip
+    t1, t2 = _fwd_part_terms(bx, br, H, 0, valid, inv_count, layout, lay3, T, VEC, NBUF - 1, CHUNK, CHUNKS,
+                             NBUF, IS_RMS, ADD, HAS_R, MASK)  # fmt: skip
     smem.publish_pair(smem.row_terms(Terms, group, groups, KP, RING), k, t1, t2, KP, not IS_RMS, group + 1)
     base = pid * 0  # buffer of this row's chunk 0
     for row in range(group, M, groups):
@@ -567,9 +613,9 @@ def _fwd_smem_split_kernel(
         if nxt < M:
             # committed: NBUF + CHUNKS a row done; after the next row's chunk c: (DEPTH - 1) * CHUNKS
             # + SPARE - 1 - c
-            n1, n2 = _fwd_part_terms(bx, br, H, (base + CHUNKS) % NBUF, valid, inv_count, layout,
-                                     (DEPTH - 1) * CHUNKS + SPARE - 1, CHUNK, CHUNKS, NBUF, IS_RMS, ADD,
-                                     HAS_R)  # fmt: skip
+            n1, n2 = _fwd_part_terms(bx, br, H, (base + CHUNKS) % NBUF, valid, inv_count, layout, lay3, T,
+                                     VEC, (DEPTH - 1) * CHUNKS + SPARE - 1, CHUNK, CHUNKS, NBUF, IS_RMS, ADD,
+                                     HAS_R, MASK)  # fmt: skip
             words = smem.row_terms(Terms, nxt, groups, KP, RING)
             smem.publish_pair(words, k, n1, n2, KP, not IS_RMS, nxt + 1)
         if IS_RMS:
@@ -1281,10 +1327,10 @@ def _forward(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtype=Non
     elif cfg.smem and cfg.in_parts:
         terms = smem.terms_workspace(cfg.grid[0] // cfg.parts, cfg.parts, cfg.ring, x.device)
         launch(_fwd_smem_split_kernel, cfg.grid, *args[:8], *terms, *args[8:], M, N, cfg.parts, cfg.part, eps,
-               key=key, **_smem_meta(cfg, flags))  # fmt: skip
+               key=key, **_smem_meta(cfg, flags, N))  # fmt: skip
     elif cfg.smem:
         launch(_fwd_smem_kernel, cfg.grid, x, args[4], args[5], y, mean, rstd, x.stride(0), y.stride(0), M, N,
-               eps, key=key, **_smem_meta(cfg, flags))  # fmt: skip
+               eps, key=key, **_smem_meta(cfg, flags, N))  # fmt: skip
     elif cfg.split > 1:
         part, count = coop.workspace(M, 2, cfg.split, rstd.dtype, x.device)
         launch(_fwd_split_kernel, cfg.grid, *args, part, count, M, N, cfg.split, 1, eps, tail, *drop, key=key,
@@ -1295,14 +1341,16 @@ def _forward(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtype=Non
     return y, h, mean, rstd
 
 
-def _smem_meta(cfg, flags) -> dict:
+def _smem_meta(cfg, flags, N) -> dict:
     """Launch keywords of ``_fwd_smem_kernel`` (``_fwd_smem_split_kernel`` for rows in parts) from its
-    config and the forward's flags."""
+    config and the forward's flags, for rows of N."""
     meta = dict(CHUNK=cfg.block_size, CHUNKS=cfg.split, SPARE=int(cfg.prefetch), IS_RMS=flags["IS_RMS"],
                 HAS_W=flags["HAS_W"], HAS_B=flags["HAS_B"], num_warps=cfg.num_warps)  # fmt: skip
     if cfg.in_parts:
+        width = cfg.split * cfg.block_size  # columns of a part's buffers
         return dict(meta, KP=triton.next_power_of_2(cfg.parts), RING=cfg.ring, DEPTH=cfg.depth,
-                    ADD=flags["ADD"], HAS_R=flags["HAS_R"])
+                    ADD=flags["ADD"], HAS_R=flags["HAS_R"],
+                    MASK=smem.parts_mask(N, cfg.parts, cfg.part, width, cfg.block_size))  # fmt: skip
     return dict(meta, ONE_PASS=cfg.split <= config.SMEM_ONE_PASS_MAX_CHUNKS)
 
 
@@ -1386,7 +1434,7 @@ def plan_row_norm(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtyp
                       BLOCK_N=cfg.block_size, STATS=grad, **flags)  # fmt: skip
     elif cfg.smem:
         fn = _fwd_smem_split_kernel if cfg.in_parts else _fwd_smem_kernel
-        bound = Bound(fn, cfg.grid, x.device.index, **_smem_meta(cfg, flags))
+        bound = Bound(fn, cfg.grid, x.device.index, **_smem_meta(cfg, flags, N))
     else:
         bound = Bound(_fwd_split_kernel, cfg.grid, x.device.index, **coop.split_meta(cfg), **flags)
     tail = config.eps_tail(eps, x.device)

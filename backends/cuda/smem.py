@@ -318,6 +318,16 @@ def hold(W, col0, end, CHUNK: gl.constexpr, CHUNKS: gl.constexpr):
     return bw
 
 
+def parts_mask(N: int, K: int, P: int, width: int, chunk: int) -> int:
+    """Which chunks of a part may hold columns past the part, for N columns in K parts of P (the
+    last N - (K - 1) * P) in buffers of ``width`` = CHUNKS x ``chunk`` columns: 0 none (every part
+    fills its buffers), 1 the last chunk only, 2 any (the last part ends before its last chunk)."""
+    last = N - (K - 1) * P
+    if P == width and last == P:
+        return 0
+    return 1 if last >= width - chunk else 2  # the last part's other chunks full
+
+
 _WORKSPACES: dict = {}  # (device index, stream) -> (words, done): zero between launches
 
 

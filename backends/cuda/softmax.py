@@ -254,7 +254,7 @@ def _part_terms(bx, base, end, offs, layout: gl.constexpr, lay3: gl.constexpr, T
     """A row part's max and sum of exp(x - max) from its CHUNKS buffers (chunk c in buffer (base + c)
     % NBUF; ``end``: the part's columns counted from its first, chunk 0's offsets ``offs``), waiting
     for each to land (WAIT - c copy groups may still be pending after chunk c), in one read. A
-    part of all -inf: (-inf, 0). ``MASK`` (:func:`parts_mask`): 0 no chunk, 1 the last, 2 every
+    part of all -inf: (-inf, 0). ``MASK`` (:func:`smem.parts_mask`): 0 no chunk, 1 the last, 2 every
     chunk may hold columns past the part."""
     per_thread: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, lay3))
     m = gl.full([T], float("-inf"), gl.float32, per_thread)
@@ -287,7 +287,7 @@ def _fwd_smem_split_kernel(
     KP: gl.constexpr,  # next_pow2(K)
     RING: gl.constexpr,  # term slots a row group (>= smem.MIN_RING)
     LOG: gl.constexpr,
-    MASK: gl.constexpr,  # which chunks may hold columns past their part (parts_mask)
+    MASK: gl.constexpr,  # which chunks may hold columns past their part (smem.parts_mask)
 ):
     """The row norms' forward in parts (layer_norm._fwd_smem_split_kernel) for softmax: K
     co-resident programs share a row (grid = groups x K <= SMs), each streaming its part through
@@ -509,18 +509,8 @@ def _smem_meta(cfg, N, log) -> dict:
     width = cfg.split * cfg.block_size  # columns of a row's (part's) buffers
     if cfg.in_parts:
         return dict(meta, DEPTH=cfg.depth, KP=triton.next_power_of_2(cfg.parts), RING=cfg.ring,
-                    MASK=parts_mask(N, cfg.parts, cfg.part, width, cfg.block_size))  # fmt: skip
+                    MASK=smem.parts_mask(N, cfg.parts, cfg.part, width, cfg.block_size))  # fmt: skip
     return dict(meta, MASK=int(N < width))
-
-
-def parts_mask(N: int, K: int, P: int, width: int, chunk: int) -> int:
-    """Which chunks of a part may hold columns past the part, for N columns in K parts of P (the
-    last N - (K - 1) * P) in buffers of ``width`` = CHUNKS x ``chunk`` columns: 0 none (every part
-    fills its buffers), 1 the last chunk only, 2 any (the last part ends before its last chunk)."""
-    last = N - (K - 1) * P
-    if P == width and last == P:
-        return 0
-    return 1 if last >= width - chunk else 2  # the last part's other chunks full
 
 
 def _terms(cfg, device) -> tuple:

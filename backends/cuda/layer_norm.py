@@ -579,13 +579,7 @@ def _fwd_smem_split_kernel(
     small: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
     NBUF: gl.constexpr = DEPTH * CHUNKS + SPARE
     PAIR: gl.constexpr = ADD and HAS_R
-    pid = gl.program_id(0)
-    groups = gl.num_programs(0) // K
-    group = pid // K
-    k = pid % K
-    offs = gl.arange(0, CHUNK, layout=layout)
-    end = gl.minimum(N, (k + 1) * P)
-    col0 = k * P + offs  # chunk 0's columns of this program's part
+    pid, group, groups, k, offs, end, col0 = smem.part_of(N, K, P, CHUNK, layout)
     valid = end - col0  # > c * CHUNK: chunk c's column is in the part
     inv_count = 1.0 / (end - k * P).to(gl.float32)
     bx, br = smem.open_parts(X, M, stride_x, group, groups, end, col0, CHUNK, CHUNKS, NBUF,

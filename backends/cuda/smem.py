@@ -267,6 +267,20 @@ def request_pair(Terms, K, KP: gl.constexpr, layout: gl.constexpr, TWO: gl.const
     return w1, w2
 
 
+@jit
+def part_of(N, K, P, CHUNK: gl.constexpr, layout: gl.constexpr):
+    """This program's part of a row shared by K programs (grid = groups x K; program pid holds part
+    pid % K, columns [k * P, min(N, (k + 1) * P)), of row group pid // K): (pid, group, groups, k,
+    the CHUNK column offsets ``offs`` in ``layout``, the part's end column, chunk 0's columns)."""
+    pid = gl.program_id(0)
+    groups = gl.num_programs(0) // K
+    group = pid // K
+    k = pid % K
+    offs = gl.arange(0, CHUNK, layout=layout)
+    end = gl.minimum(N, (k + 1) * P)
+    return pid, group, groups, k, offs, end, k * P + offs
+
+
 # A program's part of the rows: columns [k * P, end) of rows group, group + groups, ... (end =
 # min(N, (k + 1) * P)), streamed through NBUF = DEPTH * CHUNKS + SPARE buffers, DEPTH rows deep:
 # chunk g of the stream (chunk g % CHUNKS of the stream's row g // CHUNKS) in buffer g % NBUF. One

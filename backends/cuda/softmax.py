@@ -278,14 +278,14 @@ def _fwd_smem_split_kernel(
     stride_y,
     M,
     N,  # a multiple of 16
-    K,  # parts a row: program pid holds part pid % K (columns [k * P, min(N, (k + 1) * P))) of group pid // K
-    P,  # columns a part, a multiple of 16 in ((CHUNKS - 1) * CHUNK, CHUNKS * CHUNK]; N <= K * P
-    CHUNK: gl.constexpr,  # columns per shared-memory buffer
-    CHUNKS: gl.constexpr,  # buffers a row part
-    SPARE: gl.constexpr,  # extra buffers (0 or 1)
-    DEPTH: gl.constexpr,  # rows of buffers (2 or 3): a row's copies start DEPTH - 1 row steps early
-    KP: gl.constexpr,  # next_pow2(K)
-    RING: gl.constexpr,  # term slots a row group (>= smem.MIN_RING)
+    K,  # K to RING: parts a row and their columns, buffers, depth and term slots, as for the row norms
+    P,  # (layer_norm._fwd_smem_split_kernel); program pid holds part pid % K of row group pid // K
+    CHUNK: gl.constexpr,
+    CHUNKS: gl.constexpr,
+    SPARE: gl.constexpr,
+    DEPTH: gl.constexpr,
+    KP: gl.constexpr,
+    RING: gl.constexpr,
     LOG: gl.constexpr,
     MASK: gl.constexpr,  # which chunks may hold columns past their part (smem.parts_mask)
 ):
@@ -302,13 +302,7 @@ def _fwd_smem_split_kernel(
     lay3: gl.constexpr = gl.BlockedLayout([1, 1, VEC], [1, 32, 1], [1, NW, 1], [2, 1, 0])
     small: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
     NBUF: gl.constexpr = DEPTH * CHUNKS + SPARE
-    pid = gl.program_id(0)
-    groups = gl.num_programs(0) // K
-    group = pid // K
-    k = pid % K
-    offs = gl.arange(0, CHUNK, layout=layout)
-    end = gl.minimum(N, (k + 1) * P)
-    col0 = k * P + offs  # chunk 0's columns of this program's part
+    pid, group, groups, k, offs, end, col0 = smem.part_of(N, K, P, CHUNK, layout)
     width = end - k * P  # the part's columns
     bx, _ = smem.open_parts(X, M, stride_x, group, groups, end, col0, CHUNK, CHUNKS, NBUF)
     ks = gl.arange(0, KP, layout=small)

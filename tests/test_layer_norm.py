@@ -294,7 +294,7 @@ def test_backward_rows_in_shared_memory(run_on, op, shape, weight, bias, parted,
                 assert_close(out[key], ref[key], dtype, "param", key, shape[0])
 
 
-FWD_PARTS_CASES = [  # (op, shape, weight, bias): forward rows in parts (config.SMEM_SPLIT_FWD on the H100)
+FWD_PARTS_CASES = [  # (op, shape, weight, bias): forward rows in parts (config.SMEM_SPLIT_FWD, _FP32, on the H100)
     ("layer_norm", (4, 131072), True, True), ("layer_norm", (2, 270336), False, True),
     ("layer_norm", (9, 200000), True, False), ("layer_norm", (133, 131072), False, False),
     ("layer_norm", (2, 98304), True, True), ("layer_norm", (140, 114688), True, True),
@@ -305,7 +305,7 @@ FWD_PARTS_CASES = [  # (op, shape, weight, bias): forward rows in parts (config.
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("op,shape,weight,bias", FWD_PARTS_CASES, ids=str)
 def test_forward_rows_in_parts(run_on, op, shape, weight, bias, dtype):
     """Rows past one program's shared memory in the forward (K programs a row, each holding its
@@ -401,17 +401,20 @@ def test_rows_in_parts_workspace_left_clean(run_on, op, shape):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("shape", [(8, 131072), (3, 200000)], ids=str)
-def test_forward_rows_in_parts_variance_survives_large_mean(run_on, shape):
-    """fp16 x = 1000 + randn through the forward in parts (Chan's merge of the parts' means and
-    squared deviations): rstd matches fp64 to 1e-5."""
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", [(8, 131072), (3, 200000), (5, 40000)], ids=str)
+def test_forward_rows_in_parts_variance_survives_large_mean(run_on, shape, dtype):
+    """x = 1000 + randn through the forward in parts (Chan's merge of each thread's, the part's and
+    the parts' means and squared deviations; fp32 rows in parts from 32769, 16-bit from 65537):
+    rstd matches fp64 to 1e-5."""
     from normkit.backends.cuda import config
 
-    with run_on(Executor("cuda", "cuda"), torch.float16):
+    with run_on(Executor("cuda", "cuda"), dtype):
         device = torch.device("cuda")
-        assert config.forward(*shape, torch.float16, device, "layer_norm", True).parts > 1
-        inputs = make_inputs("layer_norm", shape, 1, torch.float16, device, mean=1e3, seed=7)
-        check_large_mean(inputs, torch.float16, rows=shape[0])
+        parts = config.forward(*shape, dtype, device, "layer_norm", True).parts
+        assert parts > 1 or (dtype.itemsize == 2 and shape[1] < 65537), parts
+        inputs = make_inputs("layer_norm", shape, 1, dtype, device, mean=1e3, seed=7)
+        check_large_mean(inputs, dtype, rows=shape[0])
 
 
 @pytest.mark.cuda

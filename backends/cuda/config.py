@@ -442,7 +442,7 @@ def _smem_config(M: int, N: int, dtype: torch.dtype, device: torch.device, chunk
     return LaunchConfig(chunk, warps, 1, grid, False, chunks, prefetch=spare, smem=True)
 
 
-# Rows in parts, forward (16-bit row norms, layer_norm._fwd_smem_split_kernel; softmax,
+# Rows in parts, forward (row norms, 16-bit here and fp32 below, layer_norm._fwd_smem_split_kernel; softmax,
 # softmax._fwd_smem_split_kernel): K = cdiv(N, width)
 # co-resident programs share a row, each streaming its part (x, and the residual for the add-norms)
 # through shared memory DEPTH rows deep and holding its part of the weight and bias there,
@@ -473,12 +473,30 @@ SMEM_SPLIT_FWD = {
     "add_norm": (65536, ((8192, 2, 8, 2), (4096, 4, 8, 2), (4096, 2, 8, 2))),
     "softmax": (114689, ((8192, 3, 8, 3), (8192, 2, 8, 3))),
 }
-# fp32 rows in parts (only softmax: no weight to hold beside the buffers), same key and measurement
-# (v29, ab-production.txt, direct launches; split rows in production then): softmax / log_softmax
-# 4096 x 3, 3 deep 0.951 / 0.963 / 0.961 and 0.951 / 0.964 / 0.957 at 65536 / 131072 / 262144 vs
-# split rows 0.878 / 0.848 / 0.801 and 0.906 / 0.860 / 0.806 (4096 x 4: 0.935-0.962, 8192 x 2:
-# 0.935-0.959, 4096 x 2: 0.902-0.911, 8192 x 1: 0.917-0.930). From past the fused limit.
-SMEM_SPLIT_FWD_FP32 = {"softmax": (FUSED_MAX_N_FWD + 1, ((4096, 3, 8, 3), (4096, 2, 8, 3)))}
+# fp32 rows in parts, same key, from past the fused limit. Softmax (v29, ab-production.txt, direct
+# launches; split rows in production then): softmax / log_softmax 4096 x 3, 3 deep 0.951 / 0.963 /
+# 0.961 and 0.951 / 0.964 / 0.957 at 65536 / 131072 / 262144 vs split rows 0.878 / 0.848 / 0.801 and
+# 0.906 / 0.860 / 0.806 (4096 x 4: 0.935-0.962, 8192 x 2: 0.935-0.959, 4096 x 2: 0.902-0.911, 8192 x
+# 1: 0.917-0.930). The row norms (v31, ab-fp32.txt / ab-fp32-shift.txt: two runs, one process each,
+# layer_norm._forward, fraction of bench.copy_gbps; the fp32 weight and bias held beside the
+# buffers limit the settings; LayerNorm's statistics of x - x[row, 0], as the split rows'), at
+# 65536 / 131072 / 262144 against the split rows' 0.81 / 0.80 / 0.71 (LayerNorm), 0.92 / 0.91 /
+# 0.86-0.87 (RMSNorm), 0.90 / 0.89 / 0.78-0.80 (add_layer_norm), 0.90-0.93 / 0.90-0.93 / 0.89-0.90
+# (add_rms_norm):
+# - layer_norm 8192 x 1, 3 deep: 0.912-0.923 / 0.921-0.924 / 0.917-0.921 (4096 x 2 3 deep 0.90-0.91;
+#   4096 x 3 2 deep 0.90-0.92; 2048 x 6 2 deep 0.89-0.91; 4096 x 2 2 deep 0.85-0.88).
+# - rms_norm 8192 x 1, 3 deep: 0.936-0.940 / 0.928-0.945 / 0.939-0.941 (4096 x 3 3 deep 0.921-0.951,
+#   level in sum; 4096 x 2 0.92-0.93; 8192 x 2 and 4096 x 4 2 deep 0.90).
+# - add_norm 4096 x 2, 2 deep: add_layer_norm 0.919-0.936 / 0.927-0.949 / 0.933-0.945, add_rms_norm
+#   0.937-0.954 / 0.935-0.958 / 0.939-0.949 (8192 x 1 2 deep level, 4096 x 1 3 deep 0.85-0.94).
+# - At 32768 the fused kernels stay: LayerNorm 0.925 vs 0.88-0.91 in parts, RMSNorm 0.983 vs 0.91-0.92,
+#   add_layer_norm 0.950 vs 0.93, add_rms_norm 0.989 vs 0.93-0.95.
+SMEM_SPLIT_FWD_FP32 = {
+    "softmax": (FUSED_MAX_N_FWD + 1, ((4096, 3, 8, 3), (4096, 2, 8, 3))),
+    "layer_norm": (FUSED_MAX_N_FWD + 1, ((8192, 1, 8, 3), (4096, 2, 8, 3))),
+    "rms_norm": (FUSED_MAX_N_FWD + 1, ((8192, 1, 8, 3), (4096, 2, 8, 3))),
+    "add_norm": (FUSED_MAX_N_FWD + 1, ((4096, 2, 8, 2), (4096, 1, 8, 3))),
+}
 # Term slots a row group (smem.row_terms; smem.MIN_RING at least), per kind of forward and for the
 # backward (keyed by whether it writes the residual's gradient). H100, M * N = 2^27, GPU time, one
 # process, 4 / 8 / 16 / 32 slots (perf-notes v28, ring-ab.txt), bf16 at N = 131072 / 262144:

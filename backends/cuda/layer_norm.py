@@ -462,6 +462,20 @@ def _part_values(bx, br, H, at, layout: gl.constexpr, ADD: gl.constexpr, HAS_R: 
 
 
 @smem.jit
+def _part_shift(X, R, H, row, M, stride_x, stride_r, ADD: gl.constexpr, HAS_R: gl.constexpr):
+    """The shift of a row's statistics in parts (fp32 LayerNorm): its first value, formed as
+    :func:`_part_values` forms it (h for the add-norms), the same in every part. Rows past M read
+    row M - 1's (unused)."""
+    r64 = gl.minimum(row, M - 1).to(gl.int64)
+    v = gl.load(X + r64 * stride_x).to(gl.float32)
+    if ADD:
+        if HAS_R:
+            v = v + gl.load(R + r64 * stride_r).to(gl.float32)
+        v = v.to(H.dtype.element_ty).to(gl.float32)
+    return v
+
+
+@smem.jit
 def _thread_moments(v, n, mean, m2, inside, lay3: gl.constexpr, T: gl.constexpr, VEC: gl.constexpr,
                     FIRST: gl.constexpr, MASKED: gl.constexpr):  # fmt: skip
     """Fold chunk ``v`` ([CHUNK] fp32 in the copies' layout: VEC values a thread, T threads) into each
@@ -491,26 +505,35 @@ def _thread_moments(v, n, mean, m2, inside, lay3: gl.constexpr, T: gl.constexpr,
 
 
 @smem.jit
-def _merge_moments(n, mean, m2, inv_count):
-    """The mean and the squared deviations about it of values whose subsets (one a thread) have
-    counts ``n``, means ``mean`` and squared deviations ``m2`` ([T] each; 1 / ``inv_count`` values
-    in all), in a fixed order."""
-    total_mean = gl.sum(n * mean, axis=0) * inv_count
-    dm = mean - total_mean
-    return total_mean, gl.sum(m2 + n * dm * dm, axis=0)
+def _chan(n1, m1, q1, n2, m2, q2):
+    """Chan's merge of two subsets' (count, mean, squared deviations about the mean)."""
+    n = n1 + n2
+    d = m2 - m1
+    f = n2 / gl.maximum(n, 1.0)
+    return n, m1 + d * f, q1 + q2 + d * d * n1 * f
 
 
 @smem.jit
-def _fwd_part_terms(bx, br, H, base, valid, inv_count, layout: gl.constexpr, lay3: gl.constexpr,
+def _merge_moments(n, mean, m2):
+    """The mean and the squared deviations about it of values whose subsets (one a thread) have
+    counts ``n``, means ``mean`` and squared deviations ``m2`` ([T] each): one reduction of the three
+    by Chan's formula (one barrier, a fixed tree)."""
+    _, total_mean, total_m2 = gl.reduce((n, mean, m2), 0, _chan)
+    return total_mean, total_m2
+
+
+@smem.jit
+def _fwd_part_terms(bx, br, H, base, valid, shift, layout: gl.constexpr, lay3: gl.constexpr,
                     T: gl.constexpr, VEC: gl.constexpr, WAIT: gl.constexpr, CHUNK: gl.constexpr,
                     CHUNKS: gl.constexpr, NBUF: gl.constexpr, IS_RMS: gl.constexpr, ADD: gl.constexpr,
-                    HAS_R: gl.constexpr, MASK: gl.constexpr):  # fmt: skip
+                    HAS_R: gl.constexpr, MASK: gl.constexpr, SHIFT: gl.constexpr):  # fmt: skip
     """A row part's terms from its CHUNKS buffers (chunk c in buffer (base + c) % NBUF; ``valid``:
     chunk 0's columns inside the part, shifted by c * CHUNK for chunk c), waiting for each to land
     (WAIT - c copy groups may still be pending after chunk c), in one read: RMSNorm the sum of
     squares (and 0.0); LayerNorm the part's mean and its squared deviations about it (each thread's
-    own, :func:`_thread_moments`, merged). ``MASK`` (smem.parts_mask): 0 no chunk, 1 the last, 2
-    every chunk may hold columns past the part (they landed as zeros; h: 0 + 0)."""
+    own, :func:`_thread_moments`, merged), of the values less ``shift`` where SHIFT. ``MASK``
+    (smem.parts_mask): 0 no chunk, 1 the last, 2 every chunk may hold columns past the part (they
+    landed as zeros; h: 0 + 0)."""
     per_thread: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, lay3))
     acc = gl.zeros([CHUNK], gl.float32, layout)
     n = gl.zeros([T], gl.float32, per_thread)
@@ -519,6 +542,10 @@ def _fwd_part_terms(bx, br, H, base, valid, inv_count, layout: gl.constexpr, lay
     for c in gl.static_range(CHUNKS):
         cp.wait_group(WAIT - c)
         v = _part_values(bx, br, H, (base + c) % NBUF, layout, ADD, HAS_R)
+        if SHIFT:
+            v = v - shift
+            if MASK == 2 or (MASK == 1 and c + 1 == CHUNKS):  # columns past the part stay 0
+                v = gl.where(valid - c * CHUNK > 0, v, 0.0)
         if IS_RMS:
             acc += v * v
         else:
@@ -526,12 +553,12 @@ def _fwd_part_terms(bx, br, H, base, valid, inv_count, layout: gl.constexpr, lay
                                           MASK == 2 or (MASK == 1 and c + 1 == CHUNKS))  # fmt: skip
     if IS_RMS:
         return gl.sum(acc, axis=0), 0.0
-    return _merge_moments(n, mean, m2, inv_count)
+    return _merge_moments(n, mean, m2)
 
 
 @smem.jit
 def _fwd_smem_split_kernel(
-    X,  # (M, N) 16-bit input rows, 16-byte aligned; row stride stride_x (a multiple of 16)
+    X,  # (M, N) 16-bit or fp32 input rows, 16-byte aligned; row stride stride_x (a multiple of 16)
     R,  # (M, N) residual rows, X's dtype, aligned alike (read when ADD and HAS_R)
     H,  # (M, N) out: h (written when ADD); row stride stride_h
     Y,  # (M, N) out: the output rows; row stride stride_y
@@ -570,9 +597,12 @@ def _fwd_smem_split_kernel(
     chunks land and published (smem.publish); this row's K terms (published by the partners a
     step earlier, their load started before) are gathered and merged (Chan's formula for
     LayerNorm), and the row part is normalized and stored while its buffers take the row after
-    next. Every part merges the same words in the same order: the same statistics bitwise."""
+    next. Every part merges the same words in the same order: the same statistics bitwise. fp32
+    LayerNorm takes the statistics of x - x[row, 0] (SHIFT; exact differences, as the split rows'),
+    each row's shift loaded two row steps before its normalization."""
     NW: gl.constexpr = gl.num_warps()
-    VEC: gl.constexpr = 8  # 16 bytes of 16-bit values per thread and copy
+    VEC: gl.constexpr = 128 // X.dtype.element_ty.primitive_bitwidth  # 16 bytes a thread and copy
+    SHIFT: gl.constexpr = not IS_RMS and X.dtype.element_ty.primitive_bitwidth == 32
     T: gl.constexpr = 32 * NW
     layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [NW], [0])
     lay3: gl.constexpr = gl.BlockedLayout([1, 1, VEC], [1, 32, 1], [1, NW, 1], [2, 1, 0])
@@ -581,7 +611,6 @@ def _fwd_smem_split_kernel(
     PAIR: gl.constexpr = ADD and HAS_R
     pid, group, groups, k, offs, end, col0 = smem.part_of(N, K, P, CHUNK, layout)
     valid = end - col0  # > c * CHUNK: chunk c's column is in the part
-    inv_count = 1.0 / (end - k * P).to(gl.float32)
     bx, br = smem.open_parts(X, M, stride_x, group, groups, end, col0, CHUNK, CHUNKS, NBUF,
                              R if PAIR else None, stride_r)  # fmt: skip
     bw = bx  # unread without a weight (bias)
@@ -593,9 +622,14 @@ def _fwd_smem_split_kernel(
     ks = gl.arange(0, KP, layout=small)
     counts = gl.minimum(gl.maximum(N - ks * P, 0), P).to(gl.float32)  # columns of each part
     inv_n = 1.0 / N.to(gl.float32)
+    shift = 0.0  # this row's shift (SHIFT), and the next row's: loaded a row step before their use
+    shift_next = 0.0
+    if SHIFT:
+        shift = _part_shift(X, R, H, group, M, stride_x, stride_r, ADD, HAS_R)
+        shift_next = _part_shift(X, R, H, group + groups, M, stride_x, stride_r, ADD, HAS_R)
     # the group's first row: its terms from the prologue's copies (NBUF groups committed)
-    t1, t2 = _fwd_part_terms(bx, br, H, 0, valid, inv_count, layout, lay3, T, VEC, NBUF - 1, CHUNK, CHUNKS,
-                             NBUF, IS_RMS, ADD, HAS_R, MASK)  # fmt: skip
+    t1, t2 = _fwd_part_terms(bx, br, H, 0, valid, shift, layout, lay3, T, VEC, NBUF - 1, CHUNK, CHUNKS,
+                             NBUF, IS_RMS, ADD, HAS_R, MASK, SHIFT)  # fmt: skip
     smem.publish_pair(smem.row_terms(Terms, group, groups, KP, RING), k, t1, t2, KP, not IS_RMS, group + 1)
     base = pid * 0  # buffer of this row's chunk 0
     for row in range(group, M, groups):
@@ -604,12 +638,15 @@ def _fwd_smem_split_kernel(
         # this row's terms: their load in flight during the next row's terms
         w1, w2 = smem.request_pair(mine, K, KP, small, not IS_RMS, row + 1)
         nxt = row + groups
+        shift_after = shift_next  # the row after next's shift, used a row step on
+        if SHIFT:
+            shift_after = _part_shift(X, R, H, nxt + groups, M, stride_x, stride_r, ADD, HAS_R)
         if nxt < M:
             # committed: NBUF + CHUNKS a row done; after the next row's chunk c: (DEPTH - 1) * CHUNKS
             # + SPARE - 1 - c
-            n1, n2 = _fwd_part_terms(bx, br, H, (base + CHUNKS) % NBUF, valid, inv_count, layout, lay3, T,
+            n1, n2 = _fwd_part_terms(bx, br, H, (base + CHUNKS) % NBUF, valid, shift_next, layout, lay3, T,
                                      VEC, (DEPTH - 1) * CHUNKS + SPARE - 1, CHUNK, CHUNKS, NBUF, IS_RMS, ADD,
-                                     HAS_R, MASK)  # fmt: skip
+                                     HAS_R, MASK, SHIFT)  # fmt: skip
             words = smem.row_terms(Terms, nxt, groups, KP, RING)
             smem.publish_pair(words, k, n1, n2, KP, not IS_RMS, nxt + 1)
         if IS_RMS:
@@ -624,7 +661,9 @@ def _fwd_smem_split_kernel(
             rstd = gl.rsqrt((m2 + gl.sum(counts * dm * dm, axis=0)) * inv_n + eps)
         if k == 0:
             gl.store(Rstd + row, rstd)
-            if not IS_RMS:
+            if SHIFT:
+                gl.store(Mean + row, mean + shift)
+            elif not IS_RMS:
                 gl.store(Mean + row, mean)
         for c in gl.static_range(CHUNKS):
             cols = col0 + c * CHUNK
@@ -635,6 +674,8 @@ def _fwd_smem_split_kernel(
                              DEPTH, br if PAIR else None, R if PAIR else None, stride_r)  # fmt: skip
             if ADD:
                 gl.store(H + r64 * stride_h + cols, v.to(H.dtype.element_ty), mask=mask)
+            if SHIFT:
+                v = v - shift
             y = (v - mean) * rstd
             if HAS_W:
                 y = y * bw.index(c).load(layout).to(gl.float32)
@@ -642,6 +683,9 @@ def _fwd_smem_split_kernel(
                 y = y + bb.index(c).load(layout).to(gl.float32)
             gl.store(Y + r64 * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
         base = (base + CHUNKS) % NBUF
+        if SHIFT:
+            shift = shift_next
+            shift_next = shift_after
     cp.wait_group(0)
     smem.release(Done + group, Terms + group * (RING * 2 * KP), RING * 2 * KP, K, small)
 

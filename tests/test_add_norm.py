@@ -74,9 +74,9 @@ def test_backward_rows_in_shared_memory(run_on, op, shape, dtype):
                          ids=str)  # fmt: skip
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_forward_rows_in_parts(run_on, op, shape, dtype):
-    """Rows the forward shares among K programs (config.SMEM_SPLIT_FWD, fp32 SMEM_SPLIT_FWD_FP32; asserted), each
-    streaming its part of x and of the residual: h stored and y match fp64, with and without a
-    residual, first call and plan-served second."""
+    """Rows the forward shares among K programs (config.SMEM_SPLIT_FWD, fp32 SMEM_SPLIT_FWD_FP32;
+    asserted), each streaming its part of x and of the residual: h stored and y match fp64, with and
+    without a residual, first call and plan-served second."""
     from normkit.backends.cuda import config
 
     with run_on(Executor("cuda", "cuda"), dtype):

@@ -294,7 +294,8 @@ def test_backward_rows_in_shared_memory(run_on, op, shape, weight, bias, parted,
                 assert_close(out[key], ref[key], dtype, "param", key, shape[0])
 
 
-FWD_PARTS_CASES = [  # (op, shape, weight, bias): forward rows in parts (config.SMEM_SPLIT_FWD, _FP32, on the H100)
+# (op, shape, weight, bias): forward rows in parts (config.SMEM_SPLIT_FWD and _FP32 on the H100)
+FWD_PARTS_CASES = [
     ("layer_norm", (4, 131072), True, True), ("layer_norm", (2, 270336), False, True),
     ("layer_norm", (9, 200000), True, False), ("layer_norm", (133, 131072), False, False),
     ("layer_norm", (2, 98304), True, True), ("layer_norm", (140, 114688), True, True),

@@ -544,13 +544,13 @@ def _fwd_part_terms(bx, br, H, base, valid, shift, layout: gl.constexpr, lay3: g
         v = _part_values(bx, br, H, (base + c) % NBUF, layout, ADD, HAS_R)
         if SHIFT:
             v = v - shift
-            if MASK == 2 or (MASK == 1 and c + 1 == CHUNKS):  # columns past the part stay 0
+            if smem.chunk_masked(MASK, c, CHUNKS):  # columns past the part stay 0
                 v = gl.where(valid - c * CHUNK > 0, v, 0.0)
         if IS_RMS:
             acc += v * v
         else:
             n, mean, m2 = _thread_moments(v, n, mean, m2, valid - c * CHUNK, lay3, T, VEC, c == 0,
-                                          MASK == 2 or (MASK == 1 and c + 1 == CHUNKS))  # fmt: skip
+                                          smem.chunk_masked(MASK, c, CHUNKS))  # fmt: skip
     if IS_RMS:
         return gl.sum(acc, axis=0), 0.0
     return _merge_moments(n, mean, m2)

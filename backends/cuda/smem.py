@@ -332,6 +332,13 @@ def hold(W, col0, end, CHUNK: gl.constexpr, CHUNKS: gl.constexpr):
     return bw
 
 
+@_constexpr_function
+def chunk_masked(MASK, c, CHUNKS):
+    """Whether chunk ``c`` of a part's CHUNKS may hold columns past the part, under
+    :func:`parts_mask`'s ``MASK`` (a kernel's constexpr)."""
+    return int(MASK) == 2 or (int(MASK) == 1 and int(c) + 1 == int(CHUNKS))
+
+
 def parts_mask(N: int, K: int, P: int, width: int, chunk: int) -> int:
     """Which chunks of a part may hold columns past the part, for N columns in K parts of P (the
     last N - (K - 1) * P) in buffers of ``width`` = CHUNKS x ``chunk`` columns: 0 none (every part

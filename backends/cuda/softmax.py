@@ -262,7 +262,7 @@ def _part_terms(bx, base, end, offs, layout: gl.constexpr, lay3: gl.constexpr, T
     for c in gl.static_range(CHUNKS):
         cp.wait_group(WAIT - c)
         x = bx.index((base + c) % NBUF).load(layout).to(gl.float32)
-        if MASK == 2 or (MASK == 1 and c + 1 == CHUNKS):
+        if smem.chunk_masked(MASK, c, CHUNKS):
             x = gl.where(c * CHUNK + offs < end, x, float("-inf"))  # columns past the part landed as zeros
         m, s = _thread_terms(x, m, s, lay3, T, VEC)
     return _merge_terms(m, s)

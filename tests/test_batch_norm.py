@@ -1,12 +1,14 @@
 """BatchNorm kernels of every backend (training and eval) vs the fp64 reference and torch."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import executor_params
 
 import normkit
-from normkit.testing import check_batch_norm_case
+from normkit.testing import Executor, check_batch_norm_case
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 DEVICE_SHAPES = [(32, 64, 28, 28), (16, 128, 7, 7), (2, 8, 128, 128), (256, 64), (3, 5, 33), (2, 3, 1)]
@@ -69,6 +71,44 @@ def test_batch_norm_large_mean_and_determinism(run_on, executor, shape):
         grads = [torch.autograd.grad(normkit.batch_norm(x, None, None, w, training=True).square().sum(),
                                      (x, w)) for _ in range(2)]  # fmt: skip
         assert all(torch.equal(a, b) for a, b in zip(*grads)), "gradients differ between runs"
+
+
+# Training forward with channels in parts held in shared memory (config.batch_norm_smem; HW a
+# multiple of 16): parts that fill their buffers and ones that do not (the last part short), one
+# part a channel, more channels than channel groups, many parts a channel
+PARTS_SHAPES = [(32, 64, 28, 28), (8, 24, 64, 64), (3, 40, 16, 16), (128, 12, 12, 12), (5, 7, 48, 80),
+                (64, 3, 112, 112), (2, 300, 4, 4)]  # fmt: skip
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mean", [0.0, 300.0])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", PARTS_SHAPES, ids=str)
+def test_batch_norm_channels_in_parts(run_on, shape, dtype, mean):
+    """The in-parts forward is chosen (asserted); y, the running statistics and the gradients (from
+    its mean and rstd) match fp64, also about a large mean; two forwards are bitwise equal; x at an
+    offset that breaks 16-byte alignment takes split channels and matches too."""
+    from normkit.backends.cuda import config
+
+    with run_on(Executor("cuda", "cuda"), dtype):
+        device = torch.device("cuda")
+        N, C, HW = shape[0], shape[1], math.prod(shape[2:])
+        cfg = config.batch_norm_smem(N, C, HW, dtype, device)
+        assert cfg is not None and cfg.smem, cfg
+        assert cfg.parts * cfg.part >= N * HW > (cfg.parts - 1) * cfg.part, cfg
+        check_batch_norm_case(shape, dtype, device, mean=mean, seed=int(mean) + C)
+        x = (torch.randn(shape, device=device) + mean).to(dtype)
+        w, b = torch.rand(C, device=device) + 0.5, torch.randn(C, device=device)
+        first, second = (normkit.batch_norm(x, None, None, w, b, training=True) for _ in range(2))
+        assert torch.equal(first, second), "y differs between runs"
+        shifted = torch.empty(x.numel() + 1, dtype=dtype, device=device)[1:].view(shape).copy_(x)
+        expected = F.batch_norm(x.double(), None, None, w.double(), b.double(), training=True)
+        torch.testing.assert_close(normkit.batch_norm(shifted, None, None, w, b, training=True).double(),
+                                   expected, **_Y_TOL[dtype])  # fmt: skip
+
+
+_Y_TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=4e-3, rtol=4e-3),
+          torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}  # fmt: skip
 
 
 def test_batch_norm_reference_gradcheck():

@@ -32,9 +32,11 @@ import triton
 import triton.language as tl
 
 from normkit.backends.common import exact_eps, reciprocal
-from normkit.backends.cuda import config, coop, reduce
+from normkit.backends.cuda import config, coop, reduce, smem
+from normkit.backends.cuda import layer_norm as ln
 from normkit.backends.cuda.coop import arrive, wait
 from normkit.backends.cuda.launch import Bound, launch
+from normkit.backends.cuda.smem import cp, gl
 from normkit.reference import train_fwd_from
 
 
@@ -441,6 +443,117 @@ def _bwd_split_kernel(
         tl.store(DX + tl.cast(c, tl.int64) * HW + at, (g * scale).to(DX.dtype.element_ty), mask=mask)
 
 
+@smem.jit
+def _fwd_smem_split_kernel(
+    X,  # (N, C, HW) contiguous input, 16-bit or fp32, 16-byte aligned; HW a multiple of 16
+    Y,  # (N, C, HW) out
+    W,  # (C,) weight (unread unless HAS_W)
+    B,  # (C,) bias (unread unless HAS_B)
+    Mean,  # (C,) fp32 out
+    Rstd,  # (C,) fp32 out
+    RMean,  # (C,) running mean (read when HAS_RM)
+    RVar,  # (C,) running variance (read when HAS_RV)
+    RMeanOut,  # (C,) out: the running mean after this step (written when HAS_RM)
+    RVarOut,  # (C,) out: the running variance after this step, with the unbiased variance (HAS_RV)
+    Terms,  # (groups, RING, 2, KP) int64, zeroed: part k's channel terms, tagged (smem.row_terms)
+    Done,  # (groups,) int64 counters, zero: a group's last program done zeroes its Terms (smem.release)
+    L,  # values a channel: N * HW, taken in (sample, column) order
+    C,
+    HW,  # a multiple of 16
+    GAP,  # (C - 1) * HW: from a sample's run of a channel to the next sample's (smem.run_offsets)
+    K,  # parts a channel: program pid holds part pid % K (values [k * P, min(L, (k + 1) * P))) of
+    # channel group pid // K
+    P,  # values a part, a multiple of 16 in ((CHUNKS - 1) * CHUNK, CHUNKS * CHUNK]; L <= K * P
+    eps,
+    momentum,
+    unbias,  # L / (L - 1)
+    CHUNK: gl.constexpr,  # values per shared-memory buffer
+    CHUNKS: gl.constexpr,  # buffers a part
+    SPARE: gl.constexpr,  # extra buffers (0 or 1)
+    DEPTH: gl.constexpr,  # rows of buffers: a channel's copies start DEPTH - 1 channel steps early
+    KP: gl.constexpr,  # next_pow2(K)
+    RING: gl.constexpr,  # term slots a channel group (>= smem.MIN_RING)
+    HAS_W: gl.constexpr,
+    HAS_B: gl.constexpr,
+    HAS_RM: gl.constexpr,
+    HAS_RV: gl.constexpr,
+    MASK: gl.constexpr,  # which chunks may hold values past their part (smem.parts_mask)
+):
+    """Training forward, x read from HBM once and held on chip: the row norms' rows in parts
+    (layer_norm._fwd_smem_split_kernel) with a channel for a row. K co-resident programs share a
+    channel's L = N * HW values (grid = groups x K <= SMs, one program per SM), each streaming its
+    part of the channels group, group + groups, ... through shared memory DEPTH channels deep
+    (runs of HW values, smem.run_offsets). Per channel step: the next channel's part moments (of x
+    - x[0, c, 0], each thread's own, merged once) are published; this channel's K terms are
+    gathered and merged by Chan's formula in k's order (the same bits in every part, every run),
+    and the part is normalized from its buffers while they take the channel after next. The k = 0
+    program writes the channel's statistics and running statistics (read before written: in place
+    is safe)."""
+    NW: gl.constexpr = gl.num_warps()
+    VEC: gl.constexpr = 128 // X.dtype.element_ty.primitive_bitwidth  # 16 bytes a thread and copy
+    T: gl.constexpr = 32 * NW
+    layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [NW], [0])
+    lay3: gl.constexpr = gl.BlockedLayout([1, 1, VEC], [1, 32, 1], [1, NW, 1], [2, 1, 0])
+    small: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+    NBUF: gl.constexpr = DEPTH * CHUNKS + SPARE
+    pid, group, groups, k, offs, end, col0 = smem.part_of(L, K, P, CHUNK, layout)
+    valid = end - col0  # > c * CHUNK: chunk c's value is in the part
+    bx, _ = smem.open_parts(X, C, HW, group, groups, end, col0, CHUNK, CHUNKS, NBUF, HW=HW, GAP=GAP)
+    ks = gl.arange(0, KP, layout=small)
+    counts = gl.minimum(gl.maximum(L - ks * P, 0), P).to(gl.float32)  # values of each part
+    inv_n = 1.0 / L.to(gl.float32)
+    # each channel's shift x[0, c, 0], loaded a channel step before its use
+    shift = ln._part_shift(X, X, Y, group, C, HW, HW, False, False)
+    shift_next = ln._part_shift(X, X, Y, group + groups, C, HW, HW, False, False)
+    t1, t2 = ln._fwd_part_terms(bx, bx, Y, 0, valid, shift, layout, lay3, T, VEC, NBUF - 1, CHUNK, CHUNKS,
+                                NBUF, False, False, False, MASK, True)  # fmt: skip
+    smem.publish_pair(smem.row_terms(Terms, group, groups, KP, RING), k, t1, t2, KP, True, group + 1)
+    base = pid * 0  # buffer of this channel's chunk 0
+    for c in range(group, C, groups):
+        mine = smem.row_terms(Terms, c, groups, KP, RING)
+        w1, w2 = smem.request_pair(mine, K, KP, small, True, c + 1)
+        scale = 1.0
+        if HAS_W:
+            scale = gl.load(W + c).to(gl.float32)
+        bias = 0.0
+        if HAS_B:
+            bias = gl.load(B + c).to(gl.float32)
+        nxt = c + groups
+        shift_after = ln._part_shift(X, X, Y, nxt + groups, C, HW, HW, False, False)
+        if nxt < C:
+            pending: gl.constexpr = (DEPTH - 1) * CHUNKS + SPARE - 1  # copy groups after the next row's last
+            n1, n2 = ln._fwd_part_terms(bx, bx, Y, (base + CHUNKS) % NBUF, valid, shift_next, layout, lay3, T,
+                                        VEC, pending, CHUNK, CHUNKS, NBUF, False, False, False, MASK,
+                                        True)  # fmt: skip
+            smem.publish_pair(smem.row_terms(Terms, nxt, groups, KP, RING), k, n1, n2, KP, True, nxt + 1)
+        mean, var = ln._parts_moments(w1, w2, mine, K, KP, small, c + 1, counts, inv_n)
+        rstd = gl.rsqrt(var + eps)
+        if k == 0:
+            gl.store(Mean + c, mean + shift)
+            gl.store(Rstd + c, rstd)
+            if HAS_RM:
+                rm = (1 - momentum) * gl.load(RMean + c).to(gl.float32) + momentum * (mean + shift)
+                gl.store(RMeanOut + c, rm.to(RMeanOut.dtype.element_ty))
+            if HAS_RV:
+                rv = (1 - momentum) * gl.load(RVar + c).to(gl.float32) + momentum * (var * unbias)
+                gl.store(RVarOut + c, rv.to(RVarOut.dtype.element_ty))
+        scale = scale * rstd
+        row = c.to(gl.int64) * HW
+        for i in gl.static_range(CHUNKS):
+            at = (base + i) % NBUF
+            v = bx.index(at).load(layout).to(gl.float32)
+            smem.refill_part(bx, at, X, c, groups, C, end, HW, col0, i, CHUNK, CHUNKS, SPARE, DEPTH, HW=HW,
+                             GAP=GAP)  # fmt: skip
+            cols = col0 + i * CHUNK
+            y = (v - shift - mean) * scale + bias
+            gl.store(Y + row + smem.run_offsets(cols, HW, GAP), y.to(Y.dtype.element_ty), mask=cols < end)
+        base = (base + CHUNKS) % NBUF
+        shift = shift_next
+        shift_next = shift_after
+    cp.wait_group(0)
+    smem.release(Done + group, Terms + group * (RING * 2 * KP), RING * 2 * KP, K, small)
+
+
 def batch_norm_stats(x, eps, momentum=0.0, running_mean=None, running_var=None):
     """x: (N, C, HW) contiguous -> (mean, rstd), each (C,) in the math dtype; the running
     statistics, when given, are updated in place by the same kernel (as torch: unbiased variance)."""
@@ -468,8 +581,7 @@ def batch_norm_train_fwd(x, weight, bias, eps, momentum, running_mean, running_v
     step, as new tensors (None where not given), or the given ones updated when ``in_place``. One
     read of x on split channels (``config.batch_norm_split``), else the statistics and apply
     kernels."""
-    N, C, HW = x.shape
-    cfg = config.batch_norm_split(N, C, HW, x.dtype, x.device, False)
+    cfg = _train_config(x)
     if cfg is None:
         return _train_fwd_two_pass(x, weight, bias, eps, momentum, running_mean, running_var, in_place)
     # The k = 0 program of a channel reads its running statistics before writing them: in place is safe.
@@ -480,16 +592,31 @@ def batch_norm_train_fwd(x, weight, bias, eps, momentum, running_mean, running_v
     return (*forward(x, weight, bias, running_mean, running_var, rm, rv, momentum), rm, rv)
 
 
+def _train_config(x):
+    """The one-read training forward's launch for x (N, C, HW) contiguous: channels in parts held in
+    shared memory (``config.batch_norm_smem``, x 16-byte aligned), else split channels
+    (``config.batch_norm_split``), else None (the two-pass kernels serve)."""
+    N, C, HW = x.shape
+    if smem.fits(HW, HW, x.data_ptr()):
+        cfg = config.batch_norm_smem(N, C, HW, x.dtype, x.device)
+        if cfg is not None:
+            return cfg
+    return config.batch_norm_split(N, C, HW, x.dtype, x.device, False)
+
+
 def _split_forward(cfg, shape, dtype, device, eps, has_w, has_b, has_rm, has_rv):
-    """The training forward on split channels (``cfg``: ``config.batch_norm_split(..., False)``) for
-    contiguous inputs of ``shape`` (N, C, *) and ``dtype``, by a direct launch (launch.Bound; the
-    full path and the plans call it): ``forward(x, weight, bias, running_mean, running_var,
-    running_mean_out, running_var_out, momentum)`` -> (y in x's shape, mean, rstd), the running
-    statistics after this step written to the ``_out`` tensors (the given ones for in place), a
-    fresh workspace (partials, zeroed counters) each call."""
+    """The one-read training forward (``cfg``: :func:`_train_config`'s: channels in parts, or split
+    channels) for contiguous inputs of ``shape`` (N, C, *) and ``dtype``, by a direct launch
+    (launch.Bound; the full path and the plans call it): ``forward(x, weight, bias, running_mean,
+    running_var, running_mean_out, running_var_out, momentum)`` -> (y in x's shape, mean, rstd), the
+    running statistics after this step written to the ``_out`` tensors (the given ones for in
+    place); split channels take a fresh workspace (partials, zeroed counters) each call, channels in
+    parts the stream's term workspace (smem.terms_workspace, left zeroed by each launch)."""
     N, C = shape[:2]
     HW = math.prod(shape[2:])
     L, acc = N * HW, config.acc_dtype(dtype)
+    if cfg.smem:
+        return _parts_forward(cfg, C, HW, L, device, eps, has_w, has_b, has_rm, has_rv)
     bound = Bound(_fwd_split_kernel, cfg.grid, device.index, CHUNK=cfg.block_size,
                   VEC=config.run_length(HW, dtype), KP=coop.chunks_pow2(cfg.split), HAS_W=has_w, HAS_B=has_b,
                   HAS_RM=has_rm, HAS_RV=has_rv, ACC=config.tl_acc_dtype(dtype), PIPELINE=cfg.prefetch,
@@ -504,6 +631,29 @@ def _split_forward(cfg, shape, dtype, device, eps, has_w, has_b, has_rm, has_rv)
         bound(x, y, x if w is None else w, x if b is None else b, mean, rstd, x if rm is None else rm,
               x if rv is None else rv, x if rm_out is None else rm_out, x if rv_out is None else rv_out, part,
               count, L, C, HW, cfg.split, eps, eps_lo, float(momentum), unbias)  # fmt: skip
+        return y, mean, rstd
+
+    return forward
+
+
+def _parts_forward(cfg, C, HW, L, device, eps, has_w, has_b, has_rm, has_rv):
+    """:func:`_split_forward` for channels in parts (``config.batch_norm_smem``)."""
+    width = cfg.split * cfg.block_size
+    bound = Bound(_fwd_smem_split_kernel, cfg.grid, device.index, CHUNK=cfg.block_size, CHUNKS=cfg.split,
+                  SPARE=int(cfg.prefetch), DEPTH=cfg.depth, KP=triton.next_power_of_2(cfg.parts),
+                  RING=cfg.ring, HAS_W=has_w, HAS_B=has_b, HAS_RM=has_rm, HAS_RV=has_rv,
+                  MASK=smem.parts_mask(L, cfg.parts, cfg.part, width, cfg.block_size),
+                  num_warps=cfg.num_warps)  # fmt: skip
+    unbias = L / max(1, L - 1)
+
+    def forward(x, w, b, rm, rv, rm_out, rv_out, momentum):
+        terms = smem.terms_workspace(cfg.grid[0] // cfg.parts, cfg.parts, cfg.ring, x.device)
+        y = torch.empty_like(x)
+        mean = torch.empty(C, dtype=torch.float32, device=x.device)
+        rstd = torch.empty_like(mean)
+        bound(x, y, x if w is None else w, x if b is None else b, mean, rstd, x if rm is None else rm,
+              x if rv is None else rv, x if rm_out is None else rm_out, x if rv_out is None else rv_out,
+              *terms, L, C, HW, (C - 1) * HW, cfg.parts, cfg.part, eps, float(momentum), unbias)  # fmt: skip
         return y, mean, rstd
 
     return forward
@@ -597,7 +747,7 @@ def plan_batch_norm(x, weight, bias, running_mean, running_var, eps, training, g
     has_w, has_b = weight is not None, bias is not None
     if not training:
         return _plan_eval(x, has_w, has_b, eps)
-    cfg = config.batch_norm_split(N, C, HW, x.dtype, x.device, False)
+    cfg = _train_config(x)
     bcfg = config.batch_norm_split(N, C, HW, x.dtype, x.device, True) if grad else None
     if cfg is None or (grad and bcfg is None):
         return None

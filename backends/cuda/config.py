@@ -526,16 +526,24 @@ def smem_split_forward(M: int, N: int, dtype: torch.dtype, device: torch.device,
     if kind not in table or N < table[kind][0]:
         return None
     streams = 2 if kind == "add_norm" else 1
-    for chunk, chunks, warps, depth in table[kind][1]:
-        width = chunk * chunks
-        K = triton.cdiv(N, width)
-        cfg = _smem_config(M, depth * width, dtype, device, chunk, warps, streams, width * held, (2, 4))
-        if cfg is not None and K <= sm_count(device):
-            P = triton.cdiv(triton.cdiv(N, K), 16) * 16
-            groups = max(1, min(M, sm_count(device) // K))
-            return replace(cfg, grid=(groups * K,), split=triton.cdiv(P, chunk), parts=K, part=P, depth=depth,
-                           ring=SMEM_SPLIT_RING[kind])  # fmt: skip
-    return None
+    return next((cfg for cfg in (_in_parts(M, N, dtype, device, setting, streams, held, SMEM_SPLIT_RING[kind])
+                                 for setting in table[kind][1]) if cfg is not None), None)  # fmt: skip
+
+
+def _in_parts(M: int, N: int, dtype: torch.dtype, device: torch.device, setting: tuple, streams: int,
+              held: int, ring: int) -> LaunchConfig | None:  # fmt: skip
+    """Rows in parts with ``setting`` (chunk elements, buffers a part, num_warps, depth), or None
+    where it does not fit (:func:`smem_split_forward`)."""
+    chunk, chunks, warps, depth = setting
+    width = chunk * chunks
+    K = triton.cdiv(N, width)
+    cfg = _smem_config(M, depth * width, dtype, device, chunk, warps, streams, width * held, (2, 4))
+    if cfg is None or K > sm_count(device):
+        return None
+    P = triton.cdiv(triton.cdiv(N, K), 16) * 16
+    groups = max(1, min(M, sm_count(device) // K))
+    return replace(cfg, grid=(groups * K,), split=triton.cdiv(P, chunk), parts=K, part=P, depth=depth,
+                   ring=ring)  # fmt: skip
 
 
 @_memoized
@@ -796,6 +804,49 @@ def batch_norm_split(N: int, C: int, HW: int, dtype: torch.dtype, device: torch.
     if HW < BATCH_NORM_SPLIT_MIN_HW or not 0 < L < 2**31 - 2**20:
         return None
     return split_row(C, L, dtype, device, *BATCH_NORM_SPLIT[backward, dtype.itemsize >= 4])
+
+
+# BatchNorm's training forward with channels in parts (batch_norm._fwd_smem_split_kernel: the row
+# norms' rows in parts, a channel of N * HW values for a row; HW a multiple of 16, x 16-byte
+# aligned, fewer than 2^31 elements), per element size: settings (chunk values, buffers a part,
+# num_warps, depth) tried in order; the first whose K parts a channel leave at most
+# BATCH_NORM_SMEM_IDLE of the SMs idle (groups x K of them busy) is taken, else the one that leaves
+# the fewest; settings past the first serve GPUs with less shared memory. No weight is held, so parts
+# may be wider than the row norms'. H100, training forward with running statistics, GPU time, fraction
+# of bench.copy_gbps on 128x256x56x56 / 256x512x28x28 / 128x64x112x112 / 32x256x56x56, bf16 (perf-notes
+# v32, bn-ab*.txt), against split channels (0.621 / 0.604 / 0.637 / 0.551):
+# - 8192 x 6, 2 deep (49152 values a part): 0.828 / 0.800 / 0.857 / 0.645; fp32 4096 x 6: 0.899 / 0.874 /
+#   0.903 / 0.803 (split channels 0.636 / 0.621 / 0.599 / 0.618).
+# - 8192 x 4, 3 deep: 0.832 / 0.783 / 0.788 / 0.618; 16384 x 2, 3 deep 0.826 / 0.782 / 0.796 / 0.612;
+#   8192 x 3, 3 deep 0.823 / 0.773 / 0.795 / 0.614; 8192 x 2, 3 deep 0.777 / 0.736 / 0.630 / 0.60;
+#   4096 x 3, 3 deep 0.640 / 0.658 / 0.629 / 0.541; 16 warps 0.01-0.07 below 8.
+# Wider parts read better: fewer channel steps, each one's fixed cost (reductions, exchange) over more
+# bytes.
+BATCH_NORM_SMEM = {
+    2: ((8192, 6, 8, 2), (8192, 4, 8, 2), (8192, 2, 8, 3)),
+    4: ((4096, 6, 8, 2), (4096, 4, 8, 2), (4096, 2, 8, 3)),
+}
+BATCH_NORM_SMEM_IDLE = 0.1
+BATCH_NORM_SMEM_RING = 32
+
+
+@_memoized
+def batch_norm_smem(N: int, C: int, HW: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig | None:
+    """BatchNorm training forward with channels in parts (:data:`BATCH_NORM_SMEM`), or None: HW not a
+    multiple of 16, 2^31 elements or more, or :func:`_in_parts`' conditions (a CUDA device with
+    ``cp.async``, Gluon, 16-bit or fp32). The caller checks x's alignment (smem.fits)."""
+    if HW % 16 or N * C * HW >= 2**31 or dtype.itemsize not in BATCH_NORM_SMEM:
+        return None
+    best, sms = None, sm_count(device)
+    for setting in BATCH_NORM_SMEM[dtype.itemsize]:
+        cfg = _in_parts(C, N * HW, dtype, device, setting, 1, 0, BATCH_NORM_SMEM_RING)
+        if cfg is None:
+            continue
+        if cfg.grid[0] >= (1 - BATCH_NORM_SMEM_IDLE) * min(sms, C * cfg.parts):
+            return cfg
+        if best is None or cfg.grid[0] > best.grid[0]:
+            best = cfg
+    return best
 
 
 @_memoized

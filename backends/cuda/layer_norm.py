@@ -557,6 +557,18 @@ def _fwd_part_terms(bx, br, H, base, valid, shift, layout: gl.constexpr, lay3: g
 
 
 @smem.jit
+def _parts_moments(w1, w2, words, K, KP: gl.constexpr, layout: gl.constexpr, tag, counts, inv_n):
+    """A row's mean and biased variance from its K parts' (mean, squared deviations) at ``words``
+    (``w1``, ``w2``: their first loads, smem.request_pair; ``counts``: each part's values, [KP] in
+    ``layout``; ``inv_n``: 1 / the row's values): Chan's merge, in k's order."""
+    means = smem.collect(w1, words, K, KP, layout, tag)
+    m2 = smem.gather(w2, words + KP, K, KP, layout, tag)
+    mean = gl.sum(counts * means, axis=0) * inv_n
+    dm = means - mean
+    return mean, (m2 + gl.sum(counts * dm * dm, axis=0)) * inv_n
+
+
+@smem.jit
 def _fwd_smem_split_kernel(
     X,  # (M, N) 16-bit or fp32 input rows, 16-byte aligned; row stride stride_x (a multiple of 16)
     R,  # (M, N) residual rows, X's dtype, aligned alike (read when ADD and HAS_R)
@@ -653,12 +665,8 @@ def _fwd_smem_split_kernel(
             mean = 0.0
             rstd = gl.rsqrt(smem.gather(w1, mine, K, KP, small, row + 1) * inv_n + eps)
         else:
-            # Chan's merge of the parts' (mean, squared deviations), in k's order
-            means = smem.collect(w1, mine, K, KP, small, row + 1)
-            m2 = smem.gather(w2, mine + KP, K, KP, small, row + 1)
-            mean = gl.sum(counts * means, axis=0) * inv_n
-            dm = means - mean
-            rstd = gl.rsqrt((m2 + gl.sum(counts * dm * dm, axis=0)) * inv_n + eps)
+            mean, var = _parts_moments(w1, w2, mine, K, KP, small, row + 1, counts, inv_n)
+            rstd = gl.rsqrt(var + eps)
         if k == 0:
             gl.store(Rstd + row, rstd)
             if SHIFT:

@@ -63,15 +63,28 @@ def next_pow2(n):
 
 
 @jit
-def copy_chunk(dst, X, row, M, N, stride_x, cols, dst2=None, X2=None, stride_2=None):
+def copy_chunk(dst, X, row, M, N, stride_x, cols, dst2=None, X2=None, stride_2=None, HW=None, GAP=None):
     """Start the copy of columns ``cols`` of row ``row`` of a (M, N) tensor into the buffer ``dst``
     (and, for a pair of streams, the same columns of ``X2`` into ``dst2``) as one ``cp.async`` group.
-    Columns past N and rows past the last copy nothing (zeros land)."""
+    Columns past N and rows past the last copy nothing (zeros land). With ``HW`` (a BatchNorm
+    channel's runs, :func:`run_offsets`) column j of the row lies at ``run_offsets(j, HW, GAP)``."""
     mask = (cols < N) & (row < M)
-    async_copy(dst, X + row.to(gl.int64) * stride_x + cols, mask=mask)
+    at = cols
+    if HW is not None:
+        at = run_offsets(cols, HW, GAP)
+    async_copy(dst, X + row.to(gl.int64) * stride_x + at, mask=mask)
     if X2 is not None:
         async_copy(dst2, X2 + row.to(gl.int64) * stride_2 + cols, mask=mask)
     cp.commit_group()
+
+
+@jit
+def run_offsets(cols, HW, GAP):
+    """Offsets of values ``cols`` of a row made of runs of HW values GAP apart (a BatchNorm channel
+    of a contiguous (N, C, HW) tensor: value j = n * HW + hw at j + n * (C - 1) * HW, GAP = (C - 1) *
+    HW), from the row's first value. With HW a multiple of 16 (specialized so), Triton sees 16 values
+    in a row contiguous, and the copies stay 16 bytes wide."""
+    return cols + cols // HW * GAP
 
 
 @jit
@@ -287,10 +300,11 @@ def part_of(N, K, P, CHUNK: gl.constexpr, layout: gl.constexpr):
 # cp.async group a chunk (of both tensors of a pair), in stream order.
 @jit
 def open_parts(X, M, stride_x, group, groups, end, col0, CHUNK: gl.constexpr, CHUNKS: gl.constexpr,
-               NBUF: gl.constexpr, X2=None, stride_2=None):  # fmt: skip
+               NBUF: gl.constexpr, X2=None, stride_2=None, HW=None, GAP=None):  # fmt: skip
     """Allocate the part's NBUF buffers of X (and of X2, for a pair; else X's again) and start its
     stream: its first NBUF chunks. ``col0``: the part's first CHUNK
-    column offsets (in the reads' layout). Returns (X's buffers, X2's buffers)."""
+    column offsets (in the reads' layout); ``HW``, ``GAP``: rows of runs (:func:`run_offsets`).
+    Returns (X's buffers, X2's buffers)."""
     bx = buffers(X.dtype.element_ty, NBUF, CHUNK)
     b2 = bx
     if X2 is not None:
@@ -299,7 +313,7 @@ def open_parts(X, M, stride_x, group, groups, end, col0, CHUNK: gl.constexpr, CH
         row = group + g // CHUNKS * groups
         cols = col0 + g % CHUNKS * CHUNK
         if X2 is None:
-            copy_chunk(bx.index(g), X, row, M, end, stride_x, cols)
+            copy_chunk(bx.index(g), X, row, M, end, stride_x, cols, HW=HW, GAP=GAP)
         else:
             copy_chunk(bx.index(g), X, row, M, end, stride_x, cols, b2.index(g), X2, stride_2)
     return bx, b2
@@ -308,15 +322,15 @@ def open_parts(X, M, stride_x, group, groups, end, col0, CHUNK: gl.constexpr, CH
 @jit
 def refill_part(bx, at, X, row, groups, M, end, stride_x, col0, c: gl.constexpr, CHUNK: gl.constexpr,
                 CHUNKS: gl.constexpr, SPARE: gl.constexpr, DEPTH: gl.constexpr, b2=None, X2=None,
-                stride_2=None):  # fmt: skip
+                stride_2=None, HW=None, GAP=None):  # fmt: skip
     """Chunk ``c`` of ``row`` has been read from buffer ``at`` (of X, and of X2 for a pair) of a
     stream DEPTH rows deep (NBUF = DEPTH * CHUNKS + SPARE): start the copy of the stream's chunk NBUF
     later into it, chunk (c + SPARE) % CHUNKS of the row DEPTH + (c + SPARE) // CHUNKS rows of the
-    group on."""
+    group on (``HW``, ``GAP``: rows of runs, :func:`run_offsets`)."""
     nxt = row + (DEPTH + (c + SPARE) // CHUNKS) * groups
     cols = col0 + (c + SPARE) % CHUNKS * CHUNK
     if X2 is None:
-        copy_chunk(bx.index(at), X, nxt, M, end, stride_x, cols)
+        copy_chunk(bx.index(at), X, nxt, M, end, stride_x, cols, HW=HW, GAP=GAP)
     else:
         copy_chunk(bx.index(at), X, nxt, M, end, stride_x, cols, b2.index(at), X2, stride_2)
 

@@ -833,9 +833,9 @@ BATCH_NORM_SMEM_RING = 32
 @_memoized
 def batch_norm_smem(N: int, C: int, HW: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig | None:
     """BatchNorm training forward with channels in parts (:data:`BATCH_NORM_SMEM`), or None: HW not a
-    multiple of 16, 2^31 elements or more, or :func:`_in_parts`' conditions (a CUDA device with
+    multiple of 16, no elements or 2^31 or more, or :func:`_in_parts`' conditions (a CUDA device with
     ``cp.async``, Gluon, 16-bit or fp32). The caller checks x's alignment (smem.fits)."""
-    if HW % 16 or N * C * HW >= 2**31 or dtype.itemsize not in BATCH_NORM_SMEM:
+    if HW % 16 or not 0 < N * C * HW < 2**31 or dtype.itemsize not in BATCH_NORM_SMEM:
         return None
     best, sms = None, sm_count(device)
     for setting in BATCH_NORM_SMEM[dtype.itemsize]:

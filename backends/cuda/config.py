@@ -811,7 +811,8 @@ def batch_norm_split(N: int, C: int, HW: int, dtype: torch.dtype, device: torch.
 # aligned, fewer than 2^31 elements), per element size: settings (chunk values, buffers a part,
 # num_warps, depth) tried in order; the first whose K parts a channel leave at most
 # BATCH_NORM_SMEM_IDLE of the SMs idle (groups x K of them busy) is taken, else the one that leaves
-# the fewest; settings past the first serve GPUs with less shared memory. No weight is held, so parts
+# the fewest; settings past the first serve GPUs with less shared memory (8192 x 4 two deep is not
+# measured: on the H100 the first always fits). No weight is held, so parts
 # may be wider than the row norms'. H100, training forward with running statistics, GPU time, fraction
 # of bench.copy_gbps on 128x256x56x56 / 256x512x28x28 / 128x64x112x112 / 32x256x56x56, bf16 (perf-notes
 # v32, bn-ab*.txt), against split channels (0.621 / 0.604 / 0.637 / 0.551):

@@ -73,9 +73,9 @@ def test_batch_norm_large_mean_and_determinism(run_on, executor, shape):
         assert all(torch.equal(a, b) for a, b in zip(*grads)), "gradients differ between runs"
 
 
-# Training forward with channels in parts held in shared memory (config.batch_norm_smem; HW a
-# multiple of 16): parts that fill their buffers and ones that do not (the last part short), one
-# part a channel, more channels than channel groups, many parts a channel
+# Channels in parts held in shared memory (config.batch_norm_smem: the training forward, and the
+# backward; HW a multiple of 16): parts that fill their buffers and ones that do not (the last part
+# short), one part a channel, more channels than channel groups, many parts a channel
 PARTS_SHAPES = [(32, 64, 28, 28), (8, 24, 64, 64), (3, 40, 16, 16), (128, 12, 12, 12), (5, 7, 48, 80),
                 (64, 3, 112, 112), (2, 300, 4, 4)]  # fmt: skip
 
@@ -85,26 +85,47 @@ PARTS_SHAPES = [(32, 64, 28, 28), (8, 24, 64, 64), (3, 40, 16, 16), (128, 12, 12
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", PARTS_SHAPES, ids=str)
 def test_batch_norm_channels_in_parts(run_on, shape, dtype, mean):
-    """The in-parts forward is chosen (asserted); y, the running statistics and the gradients (from
-    its mean and rstd) match fp64, also about a large mean; two forwards are bitwise equal; x at an
+    """The in-parts forward and backward are chosen (asserted); y, the running statistics and the
+    gradients match fp64, also about a large mean, in eval mode (the backward alone in parts) and
+    without weight and bias; two forwards and two backwards are bitwise equal; x (or dy) at an
     offset that breaks 16-byte alignment takes split channels and matches too."""
     from normkit.backends.cuda import config
 
     with run_on(Executor("cuda", "cuda"), dtype):
         device = torch.device("cuda")
         N, C, HW = shape[0], shape[1], math.prod(shape[2:])
-        cfg = config.batch_norm_smem(N, C, HW, dtype, device)
-        assert cfg is not None and cfg.smem, cfg
-        assert cfg.parts * cfg.part >= N * HW > (cfg.parts - 1) * cfg.part, cfg
-        check_batch_norm_case(shape, dtype, device, mean=mean, seed=int(mean) + C)
+        for backward in (False, True):
+            cfg = config.batch_norm_smem(N, C, HW, dtype, device, backward)
+            assert cfg is not None and cfg.smem, (backward, cfg)
+            assert cfg.parts * cfg.part >= N * HW > (cfg.parts - 1) * cfg.part, (backward, cfg)
+        seed = int(mean) + C
+        check_batch_norm_case(shape, dtype, device, mean=mean, seed=seed)
+        # eval mode about mean 0 (its random running statistics about 300 would take 16-bit dweight
+        # past fp16's range, as torch's)
+        check_batch_norm_case(shape, dtype, device, seed=seed + 1, training=False)
+        check_batch_norm_case(shape, dtype, device, mean=mean, seed=seed + 2, weight=False, bias=False)
         x = (torch.randn(shape, device=device) + mean).to(dtype)
+        dy = torch.randn(shape, device=device).to(dtype)
         w, b = torch.rand(C, device=device) + 0.5, torch.randn(C, device=device)
-        first, second = (normkit.batch_norm(x, None, None, w, b, training=True) for _ in range(2))
-        assert torch.equal(first, second), "y differs between runs"
+        runs = []
+        for _ in range(2):
+            leaves = [t.detach().clone().requires_grad_() for t in (x, w, b)]
+            y = normkit.batch_norm(leaves[0], None, None, leaves[1], leaves[2], training=True)
+            y.backward(dy)
+            runs.append([y.detach()] + [t.grad for t in leaves])
+        for name, first, second in zip(("y", "dx", "dweight", "dbias"), *runs):
+            assert torch.equal(first, second), f"{name} differs between runs"
         shifted = torch.empty(x.numel() + 1, dtype=dtype, device=device)[1:].view(shape).copy_(x)
         expected = F.batch_norm(x.double(), None, None, w.double(), b.double(), training=True)
         torch.testing.assert_close(normkit.batch_norm(shifted, None, None, w, b, training=True).double(),
                                    expected, **_Y_TOL[dtype])  # fmt: skip
+        # dy unaligned (x aligned): split channels' backward, the same gradients up to rounding
+        dy_shifted = torch.empty(x.numel() + 1, dtype=dtype, device=device)[1:].view(shape).copy_(dy)
+        leaves = [t.detach().clone().requires_grad_() for t in (x, w, b)]
+        normkit.batch_norm(leaves[0], None, None, leaves[1], leaves[2], training=True).backward(dy_shifted)
+        for name, got, ref in zip(("dx", "dweight", "dbias"), (t.grad for t in leaves), runs[0][1:]):
+            torch.testing.assert_close(got.double(), ref.double(), **_Y_TOL[dtype],
+                                       msg=lambda m, n=name: f"{n}: {m}")  # fmt: skip
 
 
 _Y_TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=4e-3, rtol=4e-3),

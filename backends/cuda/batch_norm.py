@@ -554,6 +554,96 @@ def _fwd_smem_split_kernel(
     smem.release(Done + group, Terms + group * (RING * 2 * KP), RING * 2 * KP, K, small)
 
 
+
+@smem.jit
+def _bwd_smem_split_kernel(
+    X,  # (N, C, HW) forward input, 16-bit or fp32, 16-byte aligned; HW a multiple of 16
+    DY,  # (N, C, HW) output gradient, X's dtype, contiguous and aligned alike
+    DX,  # (N, C, HW) out
+    W,  # (C,) weight (unread unless HAS_W)
+    Mean,  # (C,) fp32 statistics the forward normalized with
+    Rstd,  # (C,) fp32
+    DW,  # (C,) out: sum of dy * xhat, in its dtype (written when HAS_W)
+    DB,  # (C,) out: sum of dy (written when HAS_DB)
+    Terms,  # (groups, RING, 2, KP) int64, zeroed: part k's channel terms, tagged (smem.row_terms)
+    Done,  # (groups,) int64 counters, zero: a group's last program done zeroes its Terms (smem.release)
+    L,  # values a channel: N * HW, taken in (sample, column) order
+    C,
+    HW,  # a multiple of 16
+    GAP,  # (C - 1) * HW (smem.run_offsets)
+    K,  # parts a channel: program pid holds part pid % K (values [k * P, min(L, (k + 1) * P))) of
+    # channel group pid // K
+    P,  # values a part, a multiple of 16 in ((CHUNKS - 1) * CHUNK, CHUNKS * CHUNK]; L <= K * P
+    CHUNK: gl.constexpr,  # values per shared-memory buffer (of x, and of dy)
+    CHUNKS: gl.constexpr,  # buffers a part
+    SPARE: gl.constexpr,  # extra buffers (0 or 1) of each
+    DEPTH: gl.constexpr,  # rows of buffers: a channel's copies start DEPTH - 1 channel steps early
+    KP: gl.constexpr,  # next_pow2(K)
+    RING: gl.constexpr,  # term slots a channel group (>= smem.MIN_RING)
+    HAS_W: gl.constexpr,
+    HAS_DB: gl.constexpr,
+    TRAINING: gl.constexpr,  # statistics came from this batch (their gradient flows to x)
+):
+    """Backward, x and dy read from HBM once and held on chip: the row norms' backward in parts
+    (layer_norm._bwd_smem_split_kernel) with a channel for a row, streamed as the training forward
+    in parts streams x (runs of HW values, DEPTH channels deep). Per channel step: the next
+    channel's part sums of (x - mean) * dy and of dy are taken as its chunks land and published;
+    this channel's K pairs are gathered and summed in k's order (the same bits in every part, every
+    run: dweight and dbias, written by the k = 0 program), and dx of the part is written from its
+    buffers while they take the channel after next."""
+    NW: gl.constexpr = gl.num_warps()
+    VEC: gl.constexpr = 128 // X.dtype.element_ty.primitive_bitwidth  # 16 bytes a thread and copy
+    layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [NW], [0])
+    small: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+    NBUF: gl.constexpr = DEPTH * CHUNKS + SPARE
+    pid, group, groups, k, offs, end, col0 = smem.part_of(L, K, P, CHUNK, layout)
+    bx, bdy = smem.open_parts(X, C, HW, group, groups, end, col0, CHUNK, CHUNKS, NBUF, DY, HW, HW=HW, GAP=GAP)
+    inv_n = 1.0 / L.to(gl.float32)
+    # values past the part land as zeros in x and dy: they add nothing to either sum
+    t1, t2 = ln._smem_row_terms(bx, bdy, bx, gl.load(Mean + group), 0, layout, NBUF - 1, CHUNK, CHUNKS, NBUF,
+                                False, False)  # fmt: skip
+    smem.publish_pair(smem.row_terms(Terms, group, groups, KP, RING), k, t1, t2, KP, True, group + 1)
+    base = pid * 0  # buffer of this channel's chunk 0
+    for c in range(group, C, groups):
+        mine = smem.row_terms(Terms, c, groups, KP, RING)
+        w1, w2 = smem.request_pair(mine, K, KP, small, True, c + 1)  # in flight during the next terms
+        mean = gl.load(Mean + c)
+        rstd = gl.load(Rstd + c)
+        scale = rstd
+        if HAS_W:
+            scale = scale * gl.load(W + c).to(gl.float32)
+        nxt = c + groups
+        if nxt < C:
+            pending: gl.constexpr = (DEPTH - 1) * CHUNKS + SPARE - 1  # copy groups after the next row's last
+            n1, n2 = ln._smem_row_terms(bx, bdy, bx, gl.load(Mean + nxt), (base + CHUNKS) % NBUF, layout,
+                                        pending, CHUNK, CHUNKS, NBUF, False, False)  # fmt: skip
+            smem.publish_pair(smem.row_terms(Terms, nxt, groups, KP, RING), k, n1, n2, KP, True, nxt + 1)
+        s_dyx = smem.gather(w1, mine, K, KP, small, c + 1) * rstd
+        s_dy = smem.gather(w2, mine + KP, K, KP, small, c + 1)
+        if k == 0:
+            if HAS_W:
+                gl.store(DW + c, s_dyx.to(DW.dtype.element_ty))
+            if HAS_DB:
+                gl.store(DB + c, s_dy.to(DB.dtype.element_ty))
+        c1 = s_dyx * rstd * inv_n  # dx = scale * (dy - c2 - (x - mean) * c1) in training
+        c2 = s_dy * inv_n
+        row = c.to(gl.int64) * HW
+        for i in gl.static_range(CHUNKS):
+            at = (base + i) % NBUF
+            x = bx.index(at).load(layout).to(gl.float32)
+            dy = bdy.index(at).load(layout).to(gl.float32)
+            smem.refill_part(bx, at, X, c, groups, C, end, HW, col0, i, CHUNK, CHUNKS, SPARE, DEPTH, bdy, DY,
+                             HW, HW=HW, GAP=GAP)  # fmt: skip
+            cols = col0 + i * CHUNK
+            g = dy
+            if TRAINING:
+                g = dy - c2 - (x - mean) * c1
+            gl.store(DX + row + smem.run_offsets(cols, HW, GAP), (g * scale).to(DX.dtype.element_ty),
+                     mask=cols < end)  # fmt: skip
+        base = (base + CHUNKS) % NBUF
+    cp.wait_group(0)
+    smem.release(Done + group, Terms + group * (RING * 2 * KP), RING * 2 * KP, K, small)
+
 def batch_norm_stats(x, eps, momentum=0.0, running_mean=None, running_var=None):
     """x: (N, C, HW) contiguous -> (mean, rstd), each (C,) in the math dtype; the running
     statistics, when given, are updated in place by the same kernel (as torch: unbiased variance)."""
@@ -677,9 +767,9 @@ _train_fwd_two_pass = train_fwd_from(batch_norm_stats, batch_norm_apply)
 
 def batch_norm_bwd(dy, x, weight, mean, rstd, training, bias_dtype):
     """-> (dx, dweight, dbias); training: the statistics were this batch's. One read of x and dy
-    on split channels (``config.batch_norm_split``), else sums then dx."""
+    (:func:`_bwd_config`: channels in parts, or split channels), else sums then dx."""
     N, C, HW = x.shape
-    cfg = config.batch_norm_split(N, C, HW, x.dtype, x.device, True)
+    cfg = _bwd_config(x, dy.data_ptr())
     if cfg is not None:
         dtypes = (None if weight is None else weight.dtype, bias_dtype)
         return _split_backward(cfg, x.shape, x.dtype, x.device, dtypes, training)(dy, x, weight, mean, rstd)
@@ -702,13 +792,28 @@ def batch_norm_bwd(dy, x, weight, mean, rstd, training, bias_dtype):
     return dx, dweight, dbias
 
 
+def _bwd_config(x, dy_ptr):
+    """The one-read backward's launch for x (N, C, HW) and dy contiguous (dy at ``dy_ptr``):
+    channels in parts held in shared memory (``config.batch_norm_smem(..., True)``, x and dy 16-byte
+    aligned), else split channels (``config.batch_norm_split``), else None (sums, then dx)."""
+    N, C, HW = x.shape
+    if smem.fits(HW, HW, x.data_ptr()) and dy_ptr % 16 == 0:
+        cfg = config.batch_norm_smem(N, C, HW, x.dtype, x.device, True)
+        if cfg is not None:
+            return cfg
+    return config.batch_norm_split(N, C, HW, x.dtype, x.device, True)
+
+
 def _split_backward(cfg, shape, dtype, device, dtypes, training):
-    """The backward on split channels (``cfg``: ``config.batch_norm_split(..., True)``) for
-    contiguous inputs of ``shape`` (N, C, *) and ``dtype``, by a direct launch (launch.Bound; the
+    """The one-read backward (``cfg``: :func:`_bwd_config`'s: channels in parts, or split channels)
+    for contiguous inputs of ``shape`` (N, C, *) and ``dtype``, by a direct launch (launch.Bound; the
     full path and the plans call it): ``backward(dy, x, weight, mean, rstd)`` -> (dx, dweight,
-    dbias), dweight / dbias in ``dtypes`` (None for none), a fresh workspace each call."""
+    dbias), dweight / dbias in ``dtypes`` (None for none); split channels take a fresh workspace
+    each call, channels in parts the stream's term workspace."""
     N, C = shape[:2]
     HW = math.prod(shape[2:])
+    if cfg.smem:
+        return _parts_backward(cfg, C, HW, N * HW, device, dtypes, training)
     has_w, has_db = dtypes[0] is not None, dtypes[1] is not None
     acc = config.acc_dtype(dtype)
     bound = Bound(_bwd_split_kernel, cfg.grid, device.index, CHUNK=cfg.block_size,
@@ -723,6 +828,26 @@ def _split_backward(cfg, shape, dtype, device, dtypes, training):
         db = torch.empty(C, dtype=dtypes[1], device=x.device) if has_db else None
         bound(x, dy, dx, x if w is None else w, mean, rstd, x if dw is None else dw, x if db is None else db,
               part, count, N * HW, C, HW, cfg.split)  # fmt: skip
+        return dx, dw, db
+
+    return backward
+
+
+def _parts_backward(cfg, C, HW, L, device, dtypes, training):
+    """:func:`_split_backward` for channels in parts (``config.batch_norm_smem(..., True)``)."""
+    has_w, has_db = dtypes[0] is not None, dtypes[1] is not None
+    bound = Bound(_bwd_smem_split_kernel, cfg.grid, device.index, CHUNK=cfg.block_size, CHUNKS=cfg.split,
+                  SPARE=int(cfg.prefetch), DEPTH=cfg.depth, KP=triton.next_power_of_2(cfg.parts),
+                  RING=cfg.ring, HAS_W=has_w, HAS_DB=has_db, TRAINING=training,
+                  num_warps=cfg.num_warps)  # fmt: skip
+
+    def backward(dy, x, w, mean, rstd):
+        terms = smem.terms_workspace(cfg.grid[0] // cfg.parts, cfg.parts, cfg.ring, x.device)
+        dx = torch.empty_like(x)
+        dw = torch.empty(C, dtype=dtypes[0], device=x.device) if has_w else None
+        db = torch.empty(C, dtype=dtypes[1], device=x.device) if has_db else None
+        bound(x, dy, dx, x if w is None else w, mean, rstd, x if dw is None else dw, x if db is None else db,
+              *terms, L, C, HW, (C - 1) * HW, cfg.parts, cfg.part)  # fmt: skip
         return dx, dw, db
 
     return backward
@@ -748,7 +873,7 @@ def plan_batch_norm(x, weight, bias, running_mean, running_var, eps, training, g
     if not training:
         return _plan_eval(x, has_w, has_b, eps)
     cfg = _train_config(x)
-    bcfg = config.batch_norm_split(N, C, HW, x.dtype, x.device, True) if grad else None
+    bcfg = _bwd_config(x, 0) if grad else None  # the backward's dy comes aligned (ops._dense)
     if cfg is None or (grad and bcfg is None):
         return None
     split = _split_forward(cfg, x.shape, x.dtype, x.device, eps, has_w, has_b, running_mean is not None,

@@ -810,9 +810,11 @@ def batch_norm_split(N: int, C: int, HW: int, dtype: torch.dtype, device: torch.
 # norms' rows in parts, a channel of N * HW values for a row; HW a multiple of 16, x 16-byte
 # aligned, fewer than 2^31 elements), per element size: settings (chunk values, buffers a part,
 # num_warps, depth) tried in order; the first whose K parts a channel leave at most
-# BATCH_NORM_SMEM_IDLE of the SMs idle (groups x K of them busy) is taken, else the one that leaves
-# the fewest; settings past the first serve GPUs with less shared memory (8192 x 4 two deep is not
-# measured: on the H100 the first always fits). No weight is held, so parts
+# BATCH_NORM_SMEM_IDLE of the SMs idle (groups x K of them busy) and fill BATCH_NORM_SMEM_FILL of
+# their buffers (a program's time a step is its buffers', not its values') is taken, else the first
+# that keeps the SMs busy, else the one that leaves the fewest idle; settings past the first serve
+# GPUs with less shared memory (8192 x 4 two deep is not measured: on the H100 the first always fits;
+# none of the four shapes below changes setting by the fill rule). No weight is held, so parts
 # may be wider than the row norms'. H100, training forward with running statistics, GPU time, fraction
 # of bench.copy_gbps on 128x256x56x56 / 256x512x28x28 / 128x64x112x112 / 32x256x56x56, bf16 (perf-notes
 # v32, bn-ab*.txt), against split channels (0.621 / 0.604 / 0.637 / 0.551):
@@ -822,32 +824,59 @@ def batch_norm_split(N: int, C: int, HW: int, dtype: torch.dtype, device: torch.
 #   8192 x 3, 3 deep 0.823 / 0.773 / 0.795 / 0.614; 8192 x 2, 3 deep 0.777 / 0.736 / 0.630 / 0.60;
 #   4096 x 3, 3 deep 0.640 / 0.658 / 0.629 / 0.541; 16 warps 0.01-0.07 below 8.
 # Wider parts read better: fewer channel steps, each one's fixed cost (reductions, exchange) over more
-# bytes.
+# bytes. 4096 x 9 / 4096 x 8 (v33, bn-ab-fwd.txt): 0.805 / 0.785 / 0.813 / 0.646 and 0.793 / 0.737 /
+# 0.700 / 0.618, below 8192 x 6 in the same process (0.812 / 0.798 / 0.858 / 0.657).
 BATCH_NORM_SMEM = {
     2: ((8192, 6, 8, 2), (8192, 4, 8, 2), (8192, 2, 8, 3)),
     4: ((4096, 6, 8, 2), (4096, 4, 8, 2), (4096, 2, 8, 3)),
 }
 BATCH_NORM_SMEM_IDLE = 0.1
+BATCH_NORM_SMEM_FILL = 0.9
 BATCH_NORM_SMEM_RING = 32
-
+# The backward in parts (batch_norm._bwd_smem_split_kernel: x and dy streamed together, two tensors'
+# buffers a part, taken where x and dy are 16-byte aligned): settings as BATCH_NORM_SMEM's, chosen
+# alike. H100, batch_norm_bwd (training), GPU time, fraction of bench.copy_gbps (x, dy read, dx
+# written) on the four shapes above, bf16 / fp16 (perf-notes v33, bnb-ab*.txt), against split
+# channels (0.665 / 0.638 / 0.61 / 0.615, fp16 0.77 / 0.77 / 0.70 / 0.60-0.73):
+# - 8192 x 3, 2 deep (K 17 / 9 / 66 / 5): 0.883 / 0.860 / 0.865 / 0.732, fp16 0.880 / 0.869 / 0.859 /
+#   0.68-0.75. Its parts fill 82% of their buffers on 32x256x56x56 (20080 values in 24576), where 4096
+#   x 5 (98%) reads 0.751-0.760 (both fp16 and bf16): the fill rule takes it there (0.754-0.757).
+#   4096 x 5 elsewhere: 0.854 / 0.862 / 0.630 (79 parts, one channel group).
+# - Others, bf16: 8192 x 2 0.855 / 0.834 / 0.737 / 0.711; 4096 x 4 0.842 / 0.819 / 0.718 / 0.698; 4096 x
+#   6 0.879 / 0.844 / 0.860 / 0.748; 4096 x 7 0.872 / 0.851 / 0.865 / 0.693; 16384 x 1, 3 deep 0.859 /
+#   0.838 / 0.742 / 0.722; 8192 x 2, 3 deep 0.849 / 0.828 / 0.749 / 0.700.
+# - fp32: 2048 x 7, 2 deep (no spare buffer): 0.919 / 0.917 / 0.877 / 0.847; 4096 x 3 0.910 / 0.904 /
+#   0.875 / 0.841; 2048 x 5 0.885 / 0.885 / - / 0.852; split channels 0.775 / 0.825 / 0.587 / 0.804.
+# Settings past the second serve GPUs with less shared memory (not measured).
+BATCH_NORM_SMEM_BWD = {
+    2: ((8192, 3, 8, 2), (4096, 5, 8, 2), (8192, 2, 8, 2), (4096, 2, 8, 3)),
+    4: ((2048, 7, 8, 2), (4096, 3, 8, 2), (4096, 2, 8, 2), (2048, 2, 8, 3)),
+}
 
 @_memoized
-def batch_norm_smem(N: int, C: int, HW: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig | None:
-    """BatchNorm training forward with channels in parts (:data:`BATCH_NORM_SMEM`), or None: HW not a
-    multiple of 16, no elements or 2^31 or more, or :func:`_in_parts`' conditions (a CUDA device with
-    ``cp.async``, Gluon, 16-bit or fp32). The caller checks x's alignment (smem.fits)."""
-    if HW % 16 or not 0 < N * C * HW < 2**31 or dtype.itemsize not in BATCH_NORM_SMEM:
+def batch_norm_smem(N: int, C: int, HW: int, dtype: torch.dtype, device: torch.device, backward: bool = False,
+                    ) -> LaunchConfig | None:  # fmt: skip
+    """BatchNorm training forward (:data:`BATCH_NORM_SMEM`) or ``backward`` (:data:`BATCH_NORM_SMEM_BWD`)
+    with channels in parts, or None: HW not a multiple of 16, no elements or 2^31 or more, or
+    :func:`_in_parts`' conditions (a CUDA device with ``cp.async``, Gluon, 16-bit or fp32). The
+    caller checks the alignment of x (and dy) (smem.fits). Of the settings that fit, the first that
+    keeps all but BATCH_NORM_SMEM_IDLE of the SMs busy and whose parts fill BATCH_NORM_SMEM_FILL of
+    their buffers; else the first that keeps them busy; else the busiest."""
+    table = BATCH_NORM_SMEM_BWD if backward else BATCH_NORM_SMEM
+    if HW % 16 or not 0 < N * C * HW < 2**31 or dtype.itemsize not in table:
         return None
-    best, sms = None, sm_count(device)
-    for setting in BATCH_NORM_SMEM[dtype.itemsize]:
-        cfg = _in_parts(C, N * HW, dtype, device, setting, 1, 0, BATCH_NORM_SMEM_RING)
+    busy, best, sms = None, None, sm_count(device)
+    for setting in table[dtype.itemsize]:
+        cfg = _in_parts(C, N * HW, dtype, device, setting, 1 + backward, 0, BATCH_NORM_SMEM_RING)
         if cfg is None:
             continue
         if cfg.grid[0] >= (1 - BATCH_NORM_SMEM_IDLE) * min(sms, C * cfg.parts):
-            return cfg
+            if cfg.part >= BATCH_NORM_SMEM_FILL * cfg.split * cfg.block_size:
+                return cfg
+            busy = busy or cfg
         if best is None or cfg.grid[0] > best.grid[0]:
             best = cfg
-    return best
+    return busy or best
 
 
 @_memoized

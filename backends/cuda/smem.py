@@ -67,14 +67,15 @@ def copy_chunk(dst, X, row, M, N, stride_x, cols, dst2=None, X2=None, stride_2=N
     """Start the copy of columns ``cols`` of row ``row`` of a (M, N) tensor into the buffer ``dst``
     (and, for a pair of streams, the same columns of ``X2`` into ``dst2``) as one ``cp.async`` group.
     Columns past N and rows past the last copy nothing (zeros land). With ``HW`` (a BatchNorm
-    channel's runs, :func:`run_offsets`) column j of the row lies at ``run_offsets(j, HW, GAP)``."""
+    channel's runs, :func:`run_offsets`) column j of the row lies at ``run_offsets(j, HW, GAP)`` (of
+    both tensors of a pair)."""
     mask = (cols < N) & (row < M)
     at = cols
     if HW is not None:
         at = run_offsets(cols, HW, GAP)
     async_copy(dst, X + row.to(gl.int64) * stride_x + at, mask=mask)
     if X2 is not None:
-        async_copy(dst2, X2 + row.to(gl.int64) * stride_2 + cols, mask=mask)
+        async_copy(dst2, X2 + row.to(gl.int64) * stride_2 + at, mask=mask)
     cp.commit_group()
 
 
@@ -315,7 +316,7 @@ def open_parts(X, M, stride_x, group, groups, end, col0, CHUNK: gl.constexpr, CH
         if X2 is None:
             copy_chunk(bx.index(g), X, row, M, end, stride_x, cols, HW=HW, GAP=GAP)
         else:
-            copy_chunk(bx.index(g), X, row, M, end, stride_x, cols, b2.index(g), X2, stride_2)
+            copy_chunk(bx.index(g), X, row, M, end, stride_x, cols, b2.index(g), X2, stride_2, HW=HW, GAP=GAP)
     return bx, b2
 
 
@@ -332,7 +333,7 @@ def refill_part(bx, at, X, row, groups, M, end, stride_x, col0, c: gl.constexpr,
     if X2 is None:
         copy_chunk(bx.index(at), X, nxt, M, end, stride_x, cols, HW=HW, GAP=GAP)
     else:
-        copy_chunk(bx.index(at), X, nxt, M, end, stride_x, cols, b2.index(at), X2, stride_2)
+        copy_chunk(bx.index(at), X, nxt, M, end, stride_x, cols, b2.index(at), X2, stride_2, HW=HW, GAP=GAP)
 
 
 @jit

@@ -14,11 +14,11 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 # row norms' split forward on CUDA in 16-bit, the looped one in fp32 with weight / bias), rows too
 # long for the split forward (L = 600000: the looped forward); fp32 CUDA rows split over co-resident
 # programs in the backward (L > 8192), and rows as long whose G row groups do not fit at once (the
-# one-program-per-row backward).
+# one-program-per-row backward), groups of two channels of 12544 values ([2, 2048] backward tiles).
 DEVICE_CASES = [((16, 64, 28, 28), 32), ((4, 32, 7, 7), 8), ((2, 16, 128, 128), 4), ((8, 512), 32),
                 ((3, 6, 5, 5), 3), ((2, 12, 33), 12), ((1, 4, 1025), 2), ((2, 64, 32, 32), 4),
                 ((2, 4, 96, 96), 1), ((8, 128, 48, 48), 32), ((1, 32, 256, 256), 32),
-                ((1, 2, 300000), 1)]  # fmt: skip
+                ((1, 2, 300000), 1), ((4, 64, 112, 112), 32)]  # fmt: skip
 INTERPRETER_CASES = [((2, 6, 5, 5), 3), ((1, 4, 33), 2), ((3, 8), 4), ((2, 4, 40, 40), 2),
                      ((1, 16, 1024), 2), ((1, 2, 16400), 1)]  # fmt: skip
 

@@ -3,14 +3,15 @@
 A column reduction, unlike the row norms: channel c's statistics run over N samples x HW of a
 contiguous (N, C, HW) input.
 
-Split channels (``config.batch_norm_split``, most shapes): the rows of coop.py applied to
-channels. The K co-resident programs of a channel each take a chunk of its N * HW values (runs of
-whole samples' HW columns, so each chunk reads long stretches of memory), publish the chunk's
-partial statistics (forward) or gradient sums (backward), meet at the channel's counter, merge the
-K partials in a fixed order (bitwise reproducible) and finish their chunk: the training forward
-reads x from HBM once (the chunk again from L2 after the barrier), the backward x and dy once
-(held in registers), and the k = 0 program writes the channel's statistics, running statistics or
-dweight / dbias. Pipelined settings publish the next channel's chunk before waiting on this one.
+Split channels (``config.batch_norm_split``; where channels in parts, below, do not serve): the
+rows of coop.py applied to channels. The K co-resident programs of a channel each take a chunk of
+its N * HW values (runs of whole samples' HW columns, so each chunk reads long stretches of
+memory), publish the chunk's partial statistics (forward) or gradient sums (backward), meet at the
+channel's counter, merge the K partials in a fixed order (bitwise reproducible) and finish their
+chunk: the training forward reads x from HBM once (the chunk again from L2 after the barrier), the
+backward x and dy once (held in registers), and the k = 0 program writes the channel's statistics,
+running statistics or dweight / dbias. Pipelined settings publish the next channel's chunk before
+waiting on this one.
 
 Two-pass (CPU / the interpreter, HW < ``config.BATCH_NORM_SPLIT_MIN_HW``, channels too long to
 split): each channel's samples are cut into ``parts`` slices (``config.batch_norm_sums``) so that
@@ -21,7 +22,11 @@ running statistics in place. The apply and dx kernels are elementwise over [rows
 (N * C, HW) rows; the backward's per-channel sums of dy and dy * xhat (= dbias, dweight) are
 partial rows summed by ``reduce.sum_partials``. This reads x twice in training (statistics, then
 apply) and x and dy twice in the backward: 3 / 2 and 5 / 3 of the bytes a single pass moves
-(perf-notes v14, v17)."""
+(perf-notes v14, v17).
+
+Channels in parts (``config.batch_norm_smem``; HW a multiple of 16, 16-byte aligned tensors): the
+row norms' rows in parts held in shared memory with a channel for a row, for the training forward
+(x read once) and the backward (x and dy read once); split channels serve the other shapes."""
 
 from __future__ import annotations
 

@@ -637,6 +637,17 @@ BATCH_NORM_PROGRAMS_PER_SM = 16
 # of copy at 16 on the bf16 image shapes; H100, perf-notes v14). A persistent grid of 1-4 programs
 # per SM, meant to keep each row's second walk in L2, was slower (0.20-0.63, H200).
 GROUP_NORM_BWD_WARPS = 16
+# Its [channels, HW] tiles may be this wide over HW (the other image kernels: IMAGE_MAX_HW_BLOCK), so
+# that groups of few channels still fill an IMAGE_TILE tile: H100, GPU time, fraction of copy
+# (perf-notes v33, gn-ab2.txt), 128x64x112x112 G = 32 (Cg = 2): [2, 2048] 0.770 / 0.772 bf16 / fp16
+# vs [2, 1024] 0.583 / 0.762; 4096 chose the same tiles there; the other image shapes keep theirs.
+# Other shapes whose tiles change, level within the noise of their few-microsecond runs: 8x64x128x128
+# G = 32 [2, 2048] 0.45-0.46 vs [2, 1024] 0.41-0.44, 32x32x64x64 G = 8 and 4x64x128x128 G = 16 [2, 2048]
+# vs [4, 1024] 0.25-0.43 / 0.30 both.
+# The row norms' shared-memory backward over weight rows was tried instead and not kept: 0.69-0.75 /
+# 0.58-0.63 / 0.74-0.76 / 0.21-0.39 on the four image shapes (L = 25088 in parts of 16384 + 8704 and
+# 12544 in 16384-value buffers fill 53-77% of them; the (programs, L) partials summed over HW).
+GROUP_NORM_BWD_MAX_HW_BLOCK = 2048
 # Fused forward: at most this many warps by element size (the row norms' 32 warps for a 32768
 # tile gave 0.64-0.86 of copy on the bf16 image shapes, 8 warps 0.75-0.90; H100, perf-notes v14;
 # fp32 / fp64 keep twice / four times the warps for the same registers per thread, unmeasured).
@@ -690,10 +701,10 @@ class ImageConfig:
     fused: bool = False  # GroupNorm forward: whole rows in registers ([rows, row_block, hw_block])
 
 
-def _hw_block(HW: int) -> int:
-    """Largest power-of-two tile over HW (<= IMAGE_MAX_HW_BLOCK) whose padding of HW is at most
-    1 / IMAGE_MAX_WASTE; the full power of two when none is."""
-    top = min(IMAGE_MAX_HW_BLOCK, triton.next_power_of_2(max(1, HW)))
+def _hw_block(HW: int, most: int = 0) -> int:
+    """Largest power-of-two tile over HW (<= ``most``, default IMAGE_MAX_HW_BLOCK) whose padding of
+    HW is at most 1 / IMAGE_MAX_WASTE; the full power of two when none is."""
+    top = min(most or IMAGE_MAX_HW_BLOCK, triton.next_power_of_2(max(1, HW)))
     block = top
     while block >= IMAGE_MIN_HW_BLOCK:
         padded = triton.cdiv(HW, block) * block
@@ -703,8 +714,8 @@ def _hw_block(HW: int) -> int:
     return top
 
 
-def _image_tile(rows: int, HW: int, dtype: torch.dtype, tile: int = IMAGE_TILE) -> ImageConfig:
-    hw_block = _hw_block(HW)
+def _image_tile(rows: int, HW: int, dtype: torch.dtype, tile: int = IMAGE_TILE, most: int = 0) -> ImageConfig:
+    hw_block = _hw_block(HW, most)
     row_block = max(1, min(triton.next_power_of_2(max(1, rows)), max(1, tile // hw_block)))
     return ImageConfig(hw_block, row_block, _warps(row_block * hw_block, dtype), ())
 
@@ -727,8 +738,8 @@ def group_norm(rows: int, Cg: int, HW: int, dtype: torch.dtype) -> ImageConfig:
 @_memoized
 def group_norm_backward(rows: int, Cg: int, HW: int, dtype: torch.dtype) -> ImageConfig:
     """GroupNorm backward: one program per (n, g) row walks it twice in [channels, HW] tiles (sums,
-    then dx)."""
-    cfg = _image_tile(Cg, HW, dtype)
+    then dx), up to GROUP_NORM_BWD_MAX_HW_BLOCK wide."""
+    cfg = _image_tile(Cg, HW, dtype, most=GROUP_NORM_BWD_MAX_HW_BLOCK)
     return ImageConfig(cfg.hw_block, cfg.row_block, GROUP_NORM_BWD_WARPS, (rows,))
 
 

@@ -559,7 +559,6 @@ def _fwd_smem_split_kernel(
     smem.release(Done + group, Terms + group * (RING * 2 * KP), RING * 2 * KP, K, small)
 
 
-
 @smem.jit
 def _bwd_smem_split_kernel(
     X,  # (N, C, HW) forward input, 16-bit or fp32, 16-byte aligned; HW a multiple of 16
@@ -648,6 +647,7 @@ def _bwd_smem_split_kernel(
         base = (base + CHUNKS) % NBUF
     cp.wait_group(0)
     smem.release(Done + group, Terms + group * (RING * 2 * KP), RING * 2 * KP, K, small)
+
 
 def batch_norm_stats(x, eps, momentum=0.0, running_mean=None, running_var=None):
     """x: (N, C, HW) contiguous -> (mean, rstd), each (C,) in the math dtype; the running

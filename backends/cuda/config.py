@@ -864,6 +864,7 @@ BATCH_NORM_SMEM_BWD = {
     4: ((2048, 7, 8, 2), (4096, 3, 8, 2), (4096, 2, 8, 2), (2048, 2, 8, 3)),
 }
 
+
 @_memoized
 def batch_norm_smem(N: int, C: int, HW: int, dtype: torch.dtype, device: torch.device, backward: bool = False,
                     ) -> LaunchConfig | None:  # fmt: skip

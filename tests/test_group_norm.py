@@ -1,12 +1,14 @@
 """GroupNorm / InstanceNorm kernels of every backend vs the fp64 reference and torch."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import executor_params
 
 import normkit
-from normkit.testing import check_group_norm_case
+from normkit.testing import Executor, check_group_norm_case
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 # (shape, groups): image shapes, one group per channel, HW = 1, odd sizes, groups of more channels
@@ -51,6 +53,81 @@ def test_group_norm_large_mean_and_determinism(run_on, executor, shape, groups):
             (gw,) = torch.autograd.grad(normkit.group_norm(x, groups, w).square().sum(), w)
             grads.append(gw)
         assert torch.equal(grads[0], grads[1]), "dweight differs between runs"
+
+
+# 16-bit rows held in shared memory in the backward (config.group_norm_smem_backward). With the
+# config's bounds on rows, row length and channels a group opened (``opened``): a row in 12.25 chunks
+# (the last one masked), 32 channels a group of HW = 256 (the kernel's widest [runs, channels] sums),
+# HW = 200 (a multiple of 8, not of 16), groups of two long channels, one group of 4 channels, rows
+# that do not divide evenly over the programs. As configured: a shape with enough rows (one G = 32
+# per SM x GROUP_NORM_SMEM_MIN_ROWS) of 16384 values.
+SMEM_BWD_CASES = [((4, 256, 56, 56), 32, True), ((2, 512, 16, 16), 16, True), ((3, 64, 200), 2, True),
+                  ((5, 64, 112, 112), 32, True), ((3, 4, 96, 96), 1, True), ((37, 64, 32, 32), 8, True),
+                  ((70, 64, 128, 64), 32, False)]  # fmt: skip
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape,groups,opened", SMEM_BWD_CASES, ids=str)
+def test_group_norm_backward_rows_in_shared_memory(run_on, monkeypatch, shape, groups, opened, dtype):
+    """The shared-memory backward is chosen (asserted); the gradients match fp64, also about a large
+    mean and without weight or bias; two backwards are bitwise equal; the backend with dy at an
+    offset that breaks 16-byte alignment takes the one-program-per-row kernel and agrees."""
+    from normkit import functional
+    from normkit.backends.cuda import config, launch
+
+    if opened:
+        monkeypatch.setattr(config, "GROUP_NORM_SMEM_MIN_ROWS", 0)
+        monkeypatch.setattr(config, "GROUP_NORM_SMEM_MIN_L", 0)
+        monkeypatch.setattr(config, "GROUP_NORM_SMEM_MAX_CG", 32)
+    config.clear_caches()
+    functional._PLANS.clear()  # plans hold the launch configs of their signature
+    launch._CACHE.clear()
+    try:
+        _check_group_norm_backward_rows_in_shared_memory(run_on, shape, groups, dtype)
+    finally:
+        monkeypatch.undo()
+        config.clear_caches()
+        functional._PLANS.clear()
+        launch._CACHE.clear()
+
+
+def _check_group_norm_backward_rows_in_shared_memory(run_on, shape, groups, dtype):
+    from normkit.backends.cuda import config
+    from normkit.backends.cuda import group_norm as gn
+
+    with run_on(Executor("cuda", "cuda"), dtype):
+        device = torch.device("cuda")
+        N, C, HW = shape[0], shape[1], math.prod(shape[2:])
+        cfg = config.group_norm_smem_backward(N * groups, C // groups, HW, dtype, device)
+        assert cfg is not None and cfg.smem and cfg.split * cfg.block_size >= C // groups * HW, cfg
+        check_group_norm_case(shape, groups, dtype, device, seed=C)
+        check_group_norm_case(shape, groups, dtype, device, seed=C + 1, weight=False)
+        check_group_norm_case(shape, groups, dtype, device, seed=C + 2, bias=False)
+        check_group_norm_case(shape, groups, dtype, device, seed=C + 3, weight=False, bias=False)
+        # about a large mean: |x - mean| stays ~1, so the 16-bit tolerance holds against fp64
+        check_group_norm_case(shape, groups, dtype, device, seed=C + 4, mean=300.0)
+        x = torch.randn(shape, device=device).to(dtype)
+        dy = torch.randn(shape, device=device).to(dtype)
+        w, b = torch.rand(C, device=device) + 0.5, torch.randn(C, device=device)
+        runs = []
+        for _ in range(2):
+            leaves = [t.detach().clone().requires_grad_() for t in (x, w, b)]
+            normkit.group_norm(leaves[0], groups, leaves[1], leaves[2]).backward(dy)
+            runs.append([t.grad for t in leaves])
+        for name, first, second in zip(("dx", "dweight", "dbias"), *runs):
+            assert torch.equal(first, second), f"{name} differs between runs"
+        x3 = x.view(N, C, HW)
+        dy3 = torch.empty(x.numel() + 1, dtype=dtype, device=device)[1:].view(N, C, HW)
+        dy3.copy_(dy.view(N, C, HW))
+        assert gn._bwd_smem_config(x3, dy3.data_ptr(), groups) is None
+        _, mean_, rstd_ = gn.group_norm_fwd(x3, w, b, groups, 1e-5)
+        aligned = gn.group_norm_bwd(dy.view(N, C, HW), x3, w, mean_, rstd_, groups, b.dtype)
+        unaligned = gn.group_norm_bwd(dy3, x3, w, mean_, rstd_, groups, b.dtype)
+        tol = dict(atol=4e-3, rtol=4e-3) if dtype == torch.float16 else dict(atol=3e-2, rtol=3e-2)
+        for name, got, ref in zip(("dx", "dweight", "dbias"), unaligned, aligned):
+            torch.testing.assert_close(got.double(), ref.double(), **tol,
+                                       msg=lambda m, n=name: f"{n} (unaligned dy): {m}")  # fmt: skip
 
 
 @pytest.mark.parametrize("executor,shape", executor_params([((2, 3, 4, 5),)], [((8, 16, 14, 14),)]))

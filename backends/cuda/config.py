@@ -743,6 +743,44 @@ def group_norm_backward(rows: int, Cg: int, HW: int, dtype: torch.dtype) -> Imag
     return ImageConfig(cfg.hw_block, cfg.row_block, GROUP_NORM_BWD_WARPS, (rows,))
 
 
+# GroupNorm backward with each (n, g) row held in shared memory (group_norm._bwd_smem_kernel: x and
+# dy stream through one program's shared memory, read from HBM once; per-channel sums from [runs of
+# 8, channels] registers reduced once a row), for 16-bit rows with HW a multiple of 8, x and dy
+# 16-byte aligned: (chunk values, num_warps). H100, GPU time of the backend's backward, fraction of
+# bench.copy_gbps, bf16 / fp16, against the one-program-per-row kernel in the same process (perf-notes
+# v34, gn-smem-ab.txt), G = 32:
+# - 128x256x56x56 (Cg 8, L 25088): 2048 x 8 0.798-0.801 / 0.818-0.821 vs 0.737 / 0.744-0.748;
+#   128x64x112x112 (Cg 2, L 25088): 0.875-0.881 / 0.881-0.888 vs 0.771-0.774 / 0.774-0.777. 4096 x 8
+#   0.792-0.794 / 0.814-0.818, 0.869-0.874 / 0.876-0.883; 4096 x 16 0.765 / 0.791, 0.88 / 0.885; 1024 x 4
+#   0.68 / 0.70, 0.79 / 0.825.
+# - Not taken there (GROUP_NORM_SMEM_MAX_CG, _MIN_L, _MIN_ROWS): 256x512x28x28 (Cg 16: [runs, 16]
+#   sums, L 12544) 0.52-0.57 vs 0.79-0.85; 32x256x56x56 (8 rows a program) 0.56-0.65 vs 0.62-0.64;
+#   L = 3136 / 4096 / 6272 (128x32x56x56, 64x128x32x32, 64x256x28x28) 0.24-0.41 vs 0.28-0.48.
+GROUP_NORM_SMEM_BWD = (2048, 8)
+GROUP_NORM_SMEM_MAX_CG = 8
+GROUP_NORM_SMEM_MIN_L = 16384
+GROUP_NORM_SMEM_MIN_ROWS = 16  # rows a program (of one per SM)
+
+
+@_memoized
+def group_norm_smem_backward(rows: int, Cg: int, HW: int, dtype: torch.dtype, device: torch.device,
+                             ) -> LaunchConfig | None:  # fmt: skip
+    """GroupNorm backward with rows in shared memory (:data:`GROUP_NORM_SMEM_BWD`), or None: HW not a
+    multiple of 8, more than GROUP_NORM_SMEM_MAX_CG channels a group, rows shorter than
+    GROUP_NORM_SMEM_MIN_L, fewer than GROUP_NORM_SMEM_MIN_ROWS rows an SM, or :func:`_smem_config`'s
+    conditions (a CUDA device with ``cp.async``, Gluon, 16-bit, the row's x and dy fit one program's
+    shared memory). The caller checks the alignment of x and dy (smem.fits). The persistent grid is
+    cut so that every program takes as many rows (the last row step is not left to a few SMs)."""
+    if HW % 8 or Cg > GROUP_NORM_SMEM_MAX_CG or Cg * HW < GROUP_NORM_SMEM_MIN_L:
+        return None
+    if device.type != "cuda" or rows < GROUP_NORM_SMEM_MIN_ROWS * sm_count(device):
+        return None
+    cfg = _smem_config(rows, Cg * HW, dtype, device, *GROUP_NORM_SMEM_BWD, 2)
+    if cfg is None:
+        return None
+    return replace(cfg, grid=(triton.cdiv(rows, triton.cdiv(rows, cfg.grid[0])),))
+
+
 @_memoized
 def group_norm_split_forward(rows: int, L: int, G: int, dtype: torch.dtype, device: torch.device,
                              affine: bool) -> LaunchConfig | None:  # fmt: skip

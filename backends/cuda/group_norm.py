@@ -21,8 +21,9 @@ import triton
 import triton.language as tl
 
 from normkit.backends.common import exact_eps, group_norm_row_fwd, reciprocal
-from normkit.backends.cuda import config, coop, layer_norm, reduce
+from normkit.backends.cuda import config, coop, layer_norm, reduce, smem
 from normkit.backends.cuda.launch import Bound, launch
+from normkit.backends.cuda.smem import cp, gl
 
 
 @triton.jit
@@ -177,6 +178,104 @@ def _bwd_kernel(
             tl.store(DX + at, dx.to(DX.dtype.element_ty), mask=mask)
 
 
+@smem.jit
+def _runs(v, R: gl.constexpr, VEC: gl.constexpr, runs: gl.constexpr):
+    """A chunk read back in the copies' layout (VEC consecutive values a thread) as fp32 [R, VEC] in
+    ``runs``: the same registers, one run of VEC values of one channel a row (HW % VEC == 0)."""
+    return gl.convert_layout(gl.reshape(v.to(gl.float32), [R, VEC]), runs, assert_trivial=True)
+
+
+@smem.jit
+def _bwd_smem_kernel(
+    X,  # (N, C, HW) 16-bit forward input, contiguous, 16-byte aligned: rows = N * G rows of L = Cg * HW
+    DY,  # (N, C, HW) output gradient, X's dtype, contiguous, aligned alike
+    DX,  # (N, C, HW) out
+    W,  # (C,) weight (unread unless HAS_W)
+    Mean,  # (N * G,) fp32
+    Rstd,  # (N * G,) fp32
+    DW_part,  # (N, C) out, fp32: sample n's sum of dy * xhat per channel (written when HAS_W)
+    DB_part,  # (N, C) out, fp32: sample n's sum of dy per channel (written when HAS_DB)
+    rows,  # N * G
+    G,
+    C,
+    HW,  # a multiple of 8: each thread's 8 values of a copy lie in one channel
+    Cg,  # channels per group, <= CB
+    L,  # Cg * HW, a multiple of 16 in ((CHUNKS - 1) * CHUNK, CHUNKS * CHUNK]
+    CHUNK: gl.constexpr,  # values per shared-memory buffer (>= 8 x 32 x num_warps)
+    CHUNKS: gl.constexpr,  # buffers a row (of x, and of dy)
+    SPARE: gl.constexpr,  # extra buffers (0 or 1) of each: the row after next starts landing early
+    CB: gl.constexpr,  # next_pow2(Cg)
+    HAS_W: gl.constexpr,
+    HAS_DB: gl.constexpr,
+):
+    """Persistent grid, one program per SM, rows pid, pid + programs, ... (the row norms'
+    ``layer_norm._bwd_smem_kernel`` with a channel's weight for a column's): each (n, g) row of x
+    and dy streams through the program's shared memory once (smem.open_pair), where the
+    one-program-per-row kernel reads it twice. Per row: as the chunks land, each thread sums its
+    runs of 8 values (one channel each) of (x - mean) * dy and of dy, adding them into its [runs,
+    channels] sums; one reduction over the runs gives the row's per-channel sums (sample n's dweight
+    / dbias partials, and weighted by w_c the two dx terms); then per chunk: read x and dy back,
+    start the stream's next copy into their buffers, store dx."""
+    NW: gl.constexpr = gl.num_warps()
+    VEC: gl.constexpr = 8  # 16 bytes of 16-bit values per thread and copy
+    R: gl.constexpr = CHUNK // VEC  # runs of VEC a chunk
+    layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [NW], [0])
+    runs: gl.constexpr = gl.BlockedLayout([1, VEC], [32, 1], [NW, 1], [1, 0])
+    bx, bdy, offs = smem.open_pair(X, DY, rows, L, L, L, layout, CHUNK, CHUNKS, SPARE)
+    r8 = gl.arange(0, R, layout=gl.SliceLayout(1, runs)) * VEC  # a run's first column in its chunk
+    at = gl.expand_dims(r8, 1) + gl.expand_dims(gl.arange(0, VEC, layout=gl.SliceLayout(0, runs)), 0)
+    cb = gl.arange(0, CB, layout=gl.SliceLayout(0, runs))
+    inv_l = 1.0 / L.to(gl.float32)
+    base = gl.program_id(0) * 0  # buffer of the row's chunk 0
+    for row in range(gl.program_id(0), rows, gl.num_programs(0)):
+        mean = gl.load(Mean + row)
+        rstd = gl.load(Rstd + row)
+        c0 = row % G * Cg
+        s1 = gl.zeros([R, CB], gl.float32, runs)  # [run, channel]: sums of (x - mean) * dy
+        s2 = gl.zeros([R, CB], gl.float32, runs)  # sums of dy
+        for c in gl.static_range(CHUNKS):  # columns past L landed as zeros: they add nothing
+            smem.wait(c, CHUNKS, SPARE)
+            x = _runs(smem.slot(bx, base, c, CHUNKS, SPARE).load(layout), R, VEC, runs)
+            dy = _runs(smem.slot(bdy, base, c, CHUNKS, SPARE).load(layout), R, VEC, runs)
+            hit = gl.expand_dims((c * CHUNK + r8) // HW, 1) == gl.expand_dims(cb, 0)  # [R, CB]
+            s1 += gl.where(hit, gl.expand_dims(gl.sum((x - mean) * dy, axis=1), 1), 0.0)
+            s2 += gl.where(hit, gl.expand_dims(gl.sum(dy, axis=1), 1), 0.0)
+        a1 = gl.sum(s1, axis=0)  # [CB]: per channel of the group
+        a2 = gl.sum(s2, axis=0)
+        ch_ok = cb < Cg
+        part = (row // G).to(gl.int64) * C + c0 + cb
+        if HAS_W:
+            gl.store(DW_part + part, a1 * rstd, mask=ch_ok)
+        if HAS_DB:
+            gl.store(DB_part + part, a2, mask=ch_ok)
+        if HAS_W:
+            wc = gl.load(W + c0 + cb, mask=ch_ok, other=0.0).to(gl.float32)
+            a1 = a1 * wc
+            a2 = a2 * wc
+        c1 = gl.sum(a1, axis=0) * rstd * inv_l  # mean of w * dy * xhat over the row
+        c2 = gl.sum(a2, axis=0) * inv_l  # mean of w * dy
+        out = DX + row.to(gl.int64) * L
+        for c in gl.static_range(CHUNKS):
+            ch = (c * CHUNK + r8) // HW
+            if HAS_W:
+                w = gl.expand_dims(gl.load(W + c0 + ch, mask=ch < Cg, other=0.0).to(gl.float32), 1)
+            else:
+                w = 1.0
+            sx = smem.slot(bx, base, c, CHUNKS, SPARE)
+            sdy = smem.slot(bdy, base, c, CHUNKS, SPARE)
+            xv = sx.load(layout)
+            dyv = sdy.load(layout)
+            # both buffers are free once read: the stream's next chunks land during this chunk's work
+            smem.refill(sx, X, row, rows, L, L, offs, c, CHUNK, CHUNKS, SPARE, sdy, DY, L)
+            x = _runs(xv, R, VEC, runs)
+            dy = _runs(dyv, R, VEC, runs)
+            dx = (w * dy - ((x - mean) * rstd * c1 + c2)) * rstd
+            cols = c * CHUNK + at
+            gl.store(out + cols, dx.to(DX.dtype.element_ty), mask=cols < L)
+        base = smem.next_base(base, CHUNKS, SPARE)
+    cp.wait_group(0)
+
+
 def group_norm_fwd(x, weight, bias, num_groups, eps):
     """x: (N, C, HW) contiguous -> (y, mean, rstd), statistics per (n, g): shape (N * G,)."""
     N, C, HW = x.shape
@@ -280,8 +379,15 @@ def _plan_backward(x, weight, bias, G):
     has_w, has_db = weight is not None, bias is not None
     dtypes = (weight.dtype if has_w else None, bias.dtype if has_db else None)
     parts = has_w + has_db
-    bound = Bound(_bwd_kernel, cfg.grid, x.device.index, CB=cfg.row_block, HWB=cfg.hw_block, HAS_W=has_w,
-                  HAS_DB=has_db, ACC=config.tl_acc_dtype(x.dtype), num_warps=cfg.num_warps)  # fmt: skip
+    in_smem = _bwd_smem_config(x, 0, G)  # the plan's dy comes 16-byte aligned
+    if in_smem is not None:
+        meta = _bwd_smem_meta(in_smem, Cg, has_w, has_db)
+        bound = Bound(_bwd_smem_kernel, in_smem.grid, x.device.index, **meta)
+        tail = (N * G, G, C, HW, Cg, Cg * HW)
+    else:
+        bound = Bound(_bwd_kernel, cfg.grid, x.device.index, CB=cfg.row_block, HWB=cfg.hw_block, HAS_W=has_w,
+                      HAS_DB=has_db, ACC=config.tl_acc_dtype(x.dtype), num_warps=cfg.num_warps)  # fmt: skip
+        tail = (G, C, HW, Cg)
     summed = reduce.plan_sum(N, C, dtypes, x.device) if parts else None
     acc = config.acc_dtype(x.dtype)
 
@@ -289,7 +395,7 @@ def _plan_backward(x, weight, bias, G):
         dx = torch.empty_like(x)
         buf, (dw, db) = reduce.targets(dtypes, N, C, acc, x.device)
         bound(x, dy, dx, x if w is None else w, mean, rstd, mean if dw is None else dw,
-              mean if db is None else db, G, C, HW, Cg)  # fmt: skip
+              mean if db is None else db, *tail)  # fmt: skip
         if buf is not None:
             dw, db = summed(buf)
         return dx, None, dw, db
@@ -307,21 +413,43 @@ def group_norm_bwd(dy, x, weight, mean, rstd, num_groups, bias_dtype):
         dx, _, dweight, dbias = _split_backward(split, x.shape, x.dtype, x.device, dtypes, num_groups)(
             dy, None, x, weight, mean, rstd)
         return dx, dweight, dbias
-    cfg = config.group_norm_backward(N * num_groups, Cg, HW, x.dtype)
     dx = torch.empty_like(x)
     acc = config.acc_dtype(x.dtype)
     has_w, has_db = weight is not None, bias_dtype is not None
     grad_dtypes = (weight.dtype if has_w else None, bias_dtype)
     part_buf, (dw_part, db_part) = reduce.targets(grad_dtypes, N, C, acc, x.device)
-    launch(_bwd_kernel, cfg.grid,
-        x, dy, dx, weight if has_w else x, mean, rstd, mean if dw_part is None else dw_part,
-        mean if db_part is None else db_part, num_groups, C, HW, Cg, CB=cfg.row_block, HWB=cfg.hw_block,
-        HAS_W=has_w, HAS_DB=has_db, ACC=config.tl_acc_dtype(x.dtype), num_warps=cfg.num_warps,
-    )  # fmt: skip
+    args = (x, dy, dx, weight if has_w else x, mean, rstd, mean if dw_part is None else dw_part,
+            mean if db_part is None else db_part)  # fmt: skip
+    in_smem = _bwd_smem_config(x, dy.data_ptr(), num_groups)
+    if in_smem is not None:
+        launch(_bwd_smem_kernel, in_smem.grid, *args, N * num_groups, num_groups, C, HW, Cg, Cg * HW,
+               **_bwd_smem_meta(in_smem, Cg, has_w, has_db))  # fmt: skip
+    else:
+        cfg = config.group_norm_backward(N * num_groups, Cg, HW, x.dtype)
+        launch(_bwd_kernel, cfg.grid, *args, num_groups, C, HW, Cg, CB=cfg.row_block, HWB=cfg.hw_block,
+               HAS_W=has_w, HAS_DB=has_db, ACC=config.tl_acc_dtype(x.dtype),
+               num_warps=cfg.num_warps)  # fmt: skip
     if part_buf is None:
         return dx, None, None
     dweight, dbias = reduce.sum_partials(part_buf, grad_dtypes)
     return dx, dweight, dbias
+
+
+def _bwd_smem_config(x, dy_ptr, G):
+    """The shared-memory backward's launch for x (N, C, HW) and dy contiguous (dy at ``dy_ptr``), or
+    None: ``config.group_norm_smem_backward``'s, where x's and dy's rows are 16-byte aligned."""
+    N, C, HW = x.shape
+    L = C // G * HW
+    if smem.fits(L, L, x.data_ptr()) and dy_ptr % 16 == 0:
+        return config.group_norm_smem_backward(N * G, C // G, HW, x.dtype, x.device)
+    return None
+
+
+def _bwd_smem_meta(cfg, Cg, has_w, has_db) -> dict:
+    """Launch keywords of ``_bwd_smem_kernel`` from its config."""
+    cb = triton.next_power_of_2(Cg)
+    return dict(CHUNK=cfg.block_size, CHUNKS=cfg.split, SPARE=int(cfg.prefetch), CB=cb, HAS_W=has_w,
+                HAS_DB=has_db, num_warps=cfg.num_warps)  # fmt: skip
 
 
 def _split_forward(cfg, shape, dtype, device, has_w, has_b, G, eps):

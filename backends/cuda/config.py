@@ -745,19 +745,21 @@ def group_norm_backward(rows: int, Cg: int, HW: int, dtype: torch.dtype) -> Imag
 
 # GroupNorm backward with each (n, g) row held in shared memory (group_norm._bwd_smem_kernel: x and
 # dy stream through one program's shared memory, read from HBM once; per-channel sums from [runs of
-# 8, channels] registers reduced once a row), for 16-bit rows with HW a multiple of 8, x and dy
-# 16-byte aligned: (chunk values, num_warps). H100, GPU time of the backend's backward, fraction of
-# bench.copy_gbps, bf16 / fp16, against the one-program-per-row kernel in the same process (perf-notes
-# v34, gn-smem-ab.txt), G = 32:
-# - 128x256x56x56 (Cg 8, L 25088): 2048 x 8 0.798-0.801 / 0.818-0.821 vs 0.737 / 0.744-0.748;
-#   128x64x112x112 (Cg 2, L 25088): 0.875-0.881 / 0.881-0.888 vs 0.771-0.774 / 0.774-0.777. 4096 x 8
-#   0.792-0.794 / 0.814-0.818, 0.869-0.874 / 0.876-0.883; 4096 x 16 0.765 / 0.791, 0.88 / 0.885; 1024 x 4
-#   0.68 / 0.70, 0.79 / 0.825.
-# - Not taken there (GROUP_NORM_SMEM_MAX_CG, _MIN_L, _MIN_ROWS): 256x512x28x28 (Cg 16: [runs, 16]
-#   sums, L 12544) 0.52-0.57 vs 0.79-0.85; 32x256x56x56 (8 rows a program) 0.56-0.65 vs 0.62-0.64;
-#   L = 3136 / 4096 / 6272 (128x32x56x56, 64x128x32x32, 64x256x28x28) 0.24-0.41 vs 0.28-0.48.
+# 8, channels] registers, reduced once a row with lanes across the channels), for 16-bit rows with
+# HW a multiple of 8, x and dy 16-byte aligned: (chunk values, num_warps). H100, GPU time of the
+# backend's backward, fraction of bench.copy_gbps, bf16 / fp16, against the one-program-per-row
+# kernel in the same process (perf-notes v34, gn-smem-ab2.txt / gn-smem-ab3.txt), G = 32:
+# - 128x256x56x56 (Cg 8, L 25088): 2048 x 8 0.828-0.833 / 0.846-0.849 vs 0.737 / 0.744-0.748;
+#   128x64x112x112 (Cg 2, L 25088): 0.874-0.878 / 0.869-0.879 vs 0.771-0.775 / 0.774-0.777;
+#   64x512x56x56 (Cg 16, L 50176): 0.836-0.839 / 0.815-0.842 vs 0.552. 4096 x 8 0.79 / 0.81, 0.876 /
+#   0.877; 2048 x 4 0.71 / 0.74, 0.78 / 0.80, 0.15-0.17 (25 chunks); 4096 x 16 0.765 / 0.79 (first
+#   version's reduction); two rows deep (SPARE = CHUNKS) level within 0.01 on every shape.
+# - Not taken (GROUP_NORM_SMEM_MAX_CG, _MIN_L, _MIN_ROWS): rows of 12544, 256x512x28x28 (Cg 16)
+#   0.61-0.64 vs 0.79-0.85 and 128x128x56x56 (Cg 4) 0.66-0.73 vs 0.71-0.72; 32x256x56x56 (8 rows a
+#   program) 0.45-0.68 vs 0.57-0.64; L = 3136 / 4096 / 6272 (128x32x56x56, 64x128x32x32,
+#   64x256x28x28) 0.19-0.44 vs 0.22-0.50. Cg 32 (the kernel's [runs, 32] sums) is not measured.
 GROUP_NORM_SMEM_BWD = (2048, 8)
-GROUP_NORM_SMEM_MAX_CG = 8
+GROUP_NORM_SMEM_MAX_CG = 16
 GROUP_NORM_SMEM_MIN_L = 16384
 GROUP_NORM_SMEM_MIN_ROWS = 16  # rows a program (of one per SM)
 
@@ -775,7 +777,9 @@ def group_norm_smem_backward(rows: int, Cg: int, HW: int, dtype: torch.dtype, de
         return None
     if device.type != "cuda" or rows < GROUP_NORM_SMEM_MIN_ROWS * sm_count(device):
         return None
-    cfg = _smem_config(rows, Cg * HW, dtype, device, *GROUP_NORM_SMEM_BWD, 2)
+    chunk, warps = GROUP_NORM_SMEM_BWD
+    scratch = chunk // 8 * triton.next_power_of_2(Cg) * 4  # the [runs, channels] sums' reduction
+    cfg = _smem_config(rows, Cg * HW, dtype, device, chunk, warps, 2, scratch)
     if cfg is None:
         return None
     return replace(cfg, grid=(triton.cdiv(rows, triton.cdiv(rows, cfg.grid[0])),))

@@ -6,12 +6,14 @@ several short rows to a program); longer rows go through the row norms' split fo
 (``layer_norm._fwd_split_kernel`` with one weight row per group: co-resident programs share a row
 and read it once; ``config.group_norm_split_forward``), or where that cannot run (CPU, too many
 chunks) are walked twice by one program (Chan merging of tiles, ``backends/common.py``). Backward:
-one program per row walks it in [channels, HW] tiles; the per-channel sums of dy * xhat and dy are
-the dweight / dbias partials of that sample ((N, C) buffers, summed over N in a fixed order) and,
-weighted by w_c, the row's two dx terms; a second walk writes dx (rows of 100 KB are read twice from
-HBM: perf-notes v14). Long fp32 rows instead go through the row norms' split backward kernel
-(``layer_norm._bwd_split_kernel``: co-resident programs share a row and read it once;
-``config.group_norm_split_backward``).
+the per-channel sums of dy * xhat and dy of a row are the dweight / dbias partials of that sample
+((N, C) buffers, summed over N in a fixed order) and, weighted by w_c, the row's two dx terms. Long
+16-bit rows of few channels are held in shared memory by a persistent program (Gluon,
+``_bwd_smem_kernel``, ``config.group_norm_smem_backward``: x and dy read from HBM once, perf-notes
+v34); long fp32 rows go through the row norms' split backward kernel (``layer_norm._bwd_split_kernel``:
+co-resident programs share a row and read it once; ``config.group_norm_split_backward``); other rows
+are walked twice by one program per row in [channels, HW] tiles (sums, then dx; the second walk
+mostly from L2 for short rows, from HBM for rows of 100 KB: perf-notes v14).
 """
 
 from __future__ import annotations
@@ -221,10 +223,14 @@ def _bwd_smem_kernel(
     R: gl.constexpr = CHUNK // VEC  # runs of VEC a chunk
     layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [NW], [0])
     runs: gl.constexpr = gl.BlockedLayout([1, VEC], [32, 1], [NW, 1], [1, 0])
+    # the [runs, channels] sums' reduction: lanes across the channels, each thread summing many runs
+    LC: gl.constexpr = min(CB, 32)
+    red: gl.constexpr = gl.BlockedLayout([R // (32 // LC * NW), 1], [32 // LC, LC], [NW, 1], [0, 1])
     bx, bdy, offs = smem.open_pair(X, DY, rows, L, L, L, layout, CHUNK, CHUNKS, SPARE)
     r8 = gl.arange(0, R, layout=gl.SliceLayout(1, runs)) * VEC  # a run's first column in its chunk
     at = gl.expand_dims(r8, 1) + gl.expand_dims(gl.arange(0, VEC, layout=gl.SliceLayout(0, runs)), 0)
     cb = gl.arange(0, CB, layout=gl.SliceLayout(0, runs))
+    cr = gl.arange(0, CB, layout=gl.SliceLayout(0, red))
     inv_l = 1.0 / L.to(gl.float32)
     base = gl.program_id(0) * 0  # buffer of the row's chunk 0
     for row in range(gl.program_id(0), rows, gl.num_programs(0)):
@@ -240,16 +246,16 @@ def _bwd_smem_kernel(
             hit = gl.expand_dims((c * CHUNK + r8) // HW, 1) == gl.expand_dims(cb, 0)  # [R, CB]
             s1 += gl.where(hit, gl.expand_dims(gl.sum((x - mean) * dy, axis=1), 1), 0.0)
             s2 += gl.where(hit, gl.expand_dims(gl.sum(dy, axis=1), 1), 0.0)
-        a1 = gl.sum(s1, axis=0)  # [CB]: per channel of the group
-        a2 = gl.sum(s2, axis=0)
-        ch_ok = cb < Cg
-        part = (row // G).to(gl.int64) * C + c0 + cb
+        a1 = gl.sum(gl.convert_layout(s1, red), axis=0)  # [CB]: per channel of the group
+        a2 = gl.sum(gl.convert_layout(s2, red), axis=0)
+        ch_ok = cr < Cg
+        part = (row // G).to(gl.int64) * C + c0 + cr
         if HAS_W:
             gl.store(DW_part + part, a1 * rstd, mask=ch_ok)
         if HAS_DB:
             gl.store(DB_part + part, a2, mask=ch_ok)
         if HAS_W:
-            wc = gl.load(W + c0 + cb, mask=ch_ok, other=0.0).to(gl.float32)
+            wc = gl.load(W + c0 + cr, mask=ch_ok, other=0.0).to(gl.float32)
             a1 = a1 * wc
             a2 = a2 * wc
         c1 = gl.sum(a1, axis=0) * rstd * inv_l  # mean of w * dy * xhat over the row

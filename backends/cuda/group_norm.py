@@ -458,6 +458,13 @@ def _bwd_smem_meta(cfg, Cg, has_w, has_db) -> dict:
                 HAS_DB=has_db, num_warps=cfg.num_warps)  # fmt: skip
 
 
+def _rows_of(t, HW):
+    """(C,) per-channel values each repeated HW times, (C * HW,) contiguous: the split kernels' weight
+    rows. One copy of an expanded view (``repeat_interleave`` takes several launches, ~40 us of host
+    time a call on the H100's host against ~10: perf-notes v34)."""
+    return t.view(-1, 1).expand(t.numel(), HW).reshape(-1)
+
+
 def _split_forward(cfg, shape, dtype, device, has_w, has_b, G, eps):
     """The forward of rows over the fused limit (``cfg`` from ``config.group_norm_split_forward``)
     for contiguous (N, C, HW) inputs of ``dtype``, as ``launch_fwd(x, y, weight, bias, mean, rstd)``
@@ -473,8 +480,8 @@ def _split_forward(cfg, shape, dtype, device, has_w, has_b, G, eps):
     eps_lo = config.eps_tail(eps, device)
 
     def launch_fwd(x, y, w, b, mean, rstd):
-        w_rows = w.repeat_interleave(HW) if has_w else x  # (G * L,): G weight rows of L
-        b_rows = b.repeat_interleave(HW) if has_b else x
+        w_rows = _rows_of(w, HW) if has_w else x  # (G * L,): G weight rows of L
+        b_rows = _rows_of(b, HW) if has_b else x
         work = coop.workspace(M, 2, cfg.split, acc, x.device)
         bound(x, x, y, y, w_rows, b_rows, mean, rstd, L, L, L, L, *work, M, L, cfg.split, G, eps, eps_lo, 0,
               0.0, 1.0)  # fmt: skip
@@ -502,7 +509,7 @@ def _split_backward(cfg, shape, dtype, device, dtypes, G):
         dx = torch.empty_like(x)
         rows, drows = x.view(M, L), dx.view(M, L)
         buf, (dw_part, db_part) = reduce.targets(dtypes, groups, L, acc, x.device)
-        w_rows = w.repeat_interleave(HW).view(G, L) if has_w else rows
+        w_rows = _rows_of(w, HW).view(G, L) if has_w else rows
         parts = (mean if dw_part is None else dw_part, mean if db_part is None else db_part)
         work = coop.workspace(M, 2, cfg.split, acc, x.device)
         bound(rows, dy.view(M, L), rows, drows, drows, w_rows, mean, rstd, *work, *parts, L, L, L, L, L, M, L,

@@ -59,11 +59,13 @@ def test_group_norm_large_mean_and_determinism(run_on, executor, shape, groups):
 # config's bounds on rows, row length and channels a group opened (``opened``): a row in 12.25 chunks
 # (the last one masked), 32 channels a group of HW = 256 (the kernel's widest [runs, channels] sums),
 # HW = 200 (a multiple of 8, not of 16), groups of two long channels, one group of 4 channels, rows
-# that do not divide evenly over the programs. As configured: shapes with enough rows (G = 32, one
-# program per SM x GROUP_NORM_SMEM_MIN_ROWS) of 16384 values, of 2 and of 16 channels.
+# that do not divide evenly over the programs, one channel a group (InstanceNorm's case). As
+# configured: shapes with enough rows (one program per SM x GROUP_NORM_SMEM_MIN_ROWS) of 16384
+# values, of 2, 16 and 1 channels a group.
 SMEM_BWD_CASES = [((4, 256, 56, 56), 32, True), ((2, 512, 16, 16), 16, True), ((3, 64, 200), 2, True),
                   ((5, 64, 112, 112), 32, True), ((3, 4, 96, 96), 1, True), ((37, 64, 32, 32), 8, True),
-                  ((70, 64, 128, 64), 32, False), ((66, 512, 32, 32), 32, False)]  # fmt: skip
+                  ((3, 6, 64, 64), 6, True), ((70, 64, 128, 64), 32, False), ((66, 512, 32, 32), 32, False),
+                  ((9, 256, 128, 128), 256, False)]  # fmt: skip
 
 
 @pytest.mark.cuda

@@ -59,13 +59,15 @@ def test_group_norm_large_mean_and_determinism(run_on, executor, shape, groups):
 # config's bounds on rows, row length and channels a group opened (``opened``): a row in 12.25 chunks
 # (the last one masked), 32 channels a group of HW = 256 (the kernel's widest [runs, channels] sums),
 # HW = 200 (a multiple of 8, not of 16), groups of two long channels, one group of 4 channels, rows
-# that do not divide evenly over the programs, one channel a group (InstanceNorm's case). As
-# configured: shapes with enough rows (one program per SM x GROUP_NORM_SMEM_MIN_ROWS) of 16384
-# values, of 2, 16 and 1 channels a group.
+# that do not divide evenly over the programs, one channel a group (InstanceNorm's case), 6 and 3
+# channels a group (fewer than the kernel's power-of-two channel slots). As configured: shapes
+# with enough rows (N = 0 here: one more sample than GROUP_NORM_SMEM_MIN_ROWS rows an SM need) of
+# 16384 values, of 2, 16 and 1 channels a group.
 SMEM_BWD_CASES = [((4, 256, 56, 56), 32, True), ((2, 512, 16, 16), 16, True), ((3, 64, 200), 2, True),
                   ((5, 64, 112, 112), 32, True), ((3, 4, 96, 96), 1, True), ((37, 64, 32, 32), 8, True),
-                  ((3, 6, 64, 64), 6, True), ((70, 64, 128, 64), 32, False), ((66, 512, 32, 32), 32, False),
-                  ((9, 256, 128, 128), 256, False)]  # fmt: skip
+                  ((3, 6, 64, 64), 6, True), ((4, 48, 32, 32), 8, True), ((5, 48, 64, 64), 16, True),
+                  ((0, 64, 128, 64), 32, False), ((0, 512, 32, 32), 32, False),
+                  ((0, 256, 128, 128), 256, False)]  # fmt: skip
 
 
 @pytest.mark.cuda
@@ -82,6 +84,9 @@ def test_group_norm_backward_rows_in_shared_memory(run_on, monkeypatch, shape, g
         monkeypatch.setattr(config, "GROUP_NORM_SMEM_MIN_ROWS", 0)
         monkeypatch.setattr(config, "GROUP_NORM_SMEM_MIN_L", 0)
         monkeypatch.setattr(config, "GROUP_NORM_SMEM_MAX_CG", 32)
+    else:  # at least GROUP_NORM_SMEM_MIN_ROWS rows an SM on this GPU
+        rows = config.GROUP_NORM_SMEM_MIN_ROWS * torch.cuda.get_device_properties(0).multi_processor_count
+        shape = (rows // groups + 1, *shape[1:])
     config.clear_caches()
     functional._PLANS.clear()  # plans hold the launch configs of their signature
     launch._CACHE.clear()
@@ -95,7 +100,7 @@ def test_group_norm_backward_rows_in_shared_memory(run_on, monkeypatch, shape, g
 
 
 def _check_group_norm_backward_rows_in_shared_memory(run_on, shape, groups, dtype):
-    from normkit.backends.cuda import config
+    from normkit.backends.cuda import config, launch
     from normkit.backends.cuda import group_norm as gn
 
     with run_on(Executor("cuda", "cuda"), dtype):
@@ -104,6 +109,7 @@ def _check_group_norm_backward_rows_in_shared_memory(run_on, shape, groups, dtyp
         cfg = config.group_norm_smem_backward(N * groups, C // groups, HW, dtype, device)
         assert cfg is not None and cfg.smem and cfg.split * cfg.block_size >= C // groups * HW, cfg
         check_group_norm_case(shape, groups, dtype, device, seed=C)
+        assert any(key[0] is gn._bwd_smem_kernel for key in launch._CACHE), "the kernel was not launched"
         check_group_norm_case(shape, groups, dtype, device, seed=C + 1, weight=False)
         check_group_norm_case(shape, groups, dtype, device, seed=C + 2, bias=False)
         check_group_norm_case(shape, groups, dtype, device, seed=C + 3, weight=False, bias=False)
@@ -122,7 +128,8 @@ def _check_group_norm_backward_rows_in_shared_memory(run_on, shape, groups, dtyp
         x3 = x.view(N, C, HW)
         dy3 = torch.empty(x.numel() + 1, dtype=dtype, device=device)[1:].view(N, C, HW)
         dy3.copy_(dy.view(N, C, HW))
-        assert gn._bwd_smem_config(x3, dy3.data_ptr(), groups) is None
+        assert gn._bwd_smem_config(x3, groups, dy3) is None
+        assert gn._bwd_smem_config(x3, groups, dy.view(N, C, HW).float()) is None  # dy not in x's dtype
         _, mean_, rstd_ = gn.group_norm_fwd(x3, w, b, groups, 1e-5)
         aligned = gn.group_norm_bwd(dy.view(N, C, HW), x3, w, mean_, rstd_, groups, b.dtype)
         unaligned = gn.group_norm_bwd(dy3, x3, w, mean_, rstd_, groups, b.dtype)

@@ -316,9 +316,9 @@ def plan_group_norm(x, weight, bias, num_groups, eps, grad=False):
     HW) elements with the parameters of the same presence, dtypes and alignment; the compiled kernels
     are called directly (launch.Bound). None off the GPU. The forward is the fused kernel or, for
     rows over its limit, the split (:func:`_split_forward`) or looped one (both write the
-    statistics, also for inference); the
-    training backward is the one-program-per-row kernel with planned partial sums, or for long fp32
-    rows the split backward (:func:`_split_backward`, a fresh workspace each call).
+    statistics, also for inference); the training backward is the shared-memory kernel
+    (:func:`_bwd_smem_config`) or the one-program-per-row kernel, with planned partial sums, or for
+    long fp32 rows the split backward (:func:`_split_backward`, a fresh workspace each call).
 
     Inference: ``run(input, None, weight, bias)`` -> y, one launch (no statistics written by the
     fused kernel). Training (``grad``): ``(forward, backward)``: ``forward(input, None, weight,
@@ -385,7 +385,7 @@ def _plan_backward(x, weight, bias, G):
     has_w, has_db = weight is not None, bias is not None
     dtypes = (weight.dtype if has_w else None, bias.dtype if has_db else None)
     parts = has_w + has_db
-    in_smem = _bwd_smem_config(x, 0, G)  # the plan's dy comes 16-byte aligned
+    in_smem = _bwd_smem_config(x, G)  # the plan's dy comes 16-byte aligned, in x's dtype
     if in_smem is not None:
         meta = _bwd_smem_meta(in_smem, Cg, has_w, has_db)
         bound = Bound(_bwd_smem_kernel, in_smem.grid, x.device.index, **meta)
@@ -426,7 +426,7 @@ def group_norm_bwd(dy, x, weight, mean, rstd, num_groups, bias_dtype):
     part_buf, (dw_part, db_part) = reduce.targets(grad_dtypes, N, C, acc, x.device)
     args = (x, dy, dx, weight if has_w else x, mean, rstd, mean if dw_part is None else dw_part,
             mean if db_part is None else db_part)  # fmt: skip
-    in_smem = _bwd_smem_config(x, dy.data_ptr(), num_groups)
+    in_smem = _bwd_smem_config(x, num_groups, dy)
     if in_smem is not None:
         launch(_bwd_smem_kernel, in_smem.grid, *args, N * num_groups, num_groups, C, HW, Cg, Cg * HW,
                **_bwd_smem_meta(in_smem, Cg, has_w, has_db))  # fmt: skip
@@ -441,12 +441,14 @@ def group_norm_bwd(dy, x, weight, mean, rstd, num_groups, bias_dtype):
     return dx, dweight, dbias
 
 
-def _bwd_smem_config(x, dy_ptr, G):
-    """The shared-memory backward's launch for x (N, C, HW) and dy contiguous (dy at ``dy_ptr``), or
-    None: ``config.group_norm_smem_backward``'s, where x's and dy's rows are 16-byte aligned."""
+def _bwd_smem_config(x, G, dy=None):
+    """The shared-memory backward's launch for x (N, C, HW) and dy contiguous, or None:
+    ``config.group_norm_smem_backward``'s, where x's and dy's rows are 16-byte aligned and dy has x's
+    dtype (its buffers are sized for it). ``dy`` None: a plan's, which comes so."""
     N, C, HW = x.shape
     L = C // G * HW
-    if smem.fits(L, L, x.data_ptr()) and dy_ptr % 16 == 0:
+    dy_ok = dy is None or (dy.dtype == x.dtype and dy.data_ptr() % 16 == 0)
+    if dy_ok and smem.fits(L, L, x.data_ptr()):
         return config.group_norm_smem_backward(N * G, C // G, HW, x.dtype, x.device)
     return None
 

@@ -313,10 +313,8 @@ def open_parts(X, M, stride_x, group, groups, end, col0, CHUNK: gl.constexpr, CH
     for g in gl.static_range(NBUF):
         row = group + g // CHUNKS * groups
         cols = col0 + g % CHUNKS * CHUNK
-        if X2 is None:
-            copy_chunk(bx.index(g), X, row, M, end, stride_x, cols, HW=HW, GAP=GAP)
-        else:
-            copy_chunk(bx.index(g), X, row, M, end, stride_x, cols, b2.index(g), X2, stride_2, HW=HW, GAP=GAP)
+        # without X2, b2 is bx and copy_chunk leaves it alone
+        copy_chunk(bx.index(g), X, row, M, end, stride_x, cols, b2.index(g), X2, stride_2, HW=HW, GAP=GAP)
     return bx, b2
 
 
@@ -330,10 +328,9 @@ def refill_part(bx, at, X, row, groups, M, end, stride_x, col0, c: gl.constexpr,
     group on (``HW``, ``GAP``: rows of runs, :func:`run_offsets`)."""
     nxt = row + (DEPTH + (c + SPARE) // CHUNKS) * groups
     cols = col0 + (c + SPARE) % CHUNKS * CHUNK
-    if X2 is None:
-        copy_chunk(bx.index(at), X, nxt, M, end, stride_x, cols, HW=HW, GAP=GAP)
-    else:
-        copy_chunk(bx.index(at), X, nxt, M, end, stride_x, cols, b2.index(at), X2, stride_2, HW=HW, GAP=GAP)
+    if b2 is None:  # a single stream: copy_chunk leaves the second buffer alone
+        b2 = bx
+    copy_chunk(bx.index(at), X, nxt, M, end, stride_x, cols, b2.index(at), X2, stride_2, HW=HW, GAP=GAP)
 
 
 @jit

@@ -84,14 +84,11 @@ def test_group_norm_backward_rows_in_shared_memory(run_on, monkeypatch, shape, g
         monkeypatch.setattr(config, "GROUP_NORM_SMEM_MIN_ROWS", 0)
         monkeypatch.setattr(config, "GROUP_NORM_SMEM_MIN_L", 0)
         monkeypatch.setattr(config, "GROUP_NORM_SMEM_MAX_CG", 32)
-    else:  # at least GROUP_NORM_SMEM_MIN_ROWS rows an SM on this GPU
-        rows = config.GROUP_NORM_SMEM_MIN_ROWS * torch.cuda.get_device_properties(0).multi_processor_count
-        shape = (rows // groups + 1, *shape[1:])
     config.clear_caches()
     functional._PLANS.clear()  # plans hold the launch configs of their signature
     launch._CACHE.clear()
     try:
-        _check_group_norm_backward_rows_in_shared_memory(run_on, shape, groups, dtype)
+        _check_group_norm_backward_rows_in_shared_memory(run_on, shape, groups, dtype, opened)
     finally:
         monkeypatch.undo()
         config.clear_caches()
@@ -99,12 +96,15 @@ def test_group_norm_backward_rows_in_shared_memory(run_on, monkeypatch, shape, g
         launch._CACHE.clear()
 
 
-def _check_group_norm_backward_rows_in_shared_memory(run_on, shape, groups, dtype):
+def _check_group_norm_backward_rows_in_shared_memory(run_on, shape, groups, dtype, opened):
     from normkit.backends.cuda import config, launch
     from normkit.backends.cuda import group_norm as gn
 
-    with run_on(Executor("cuda", "cuda"), dtype):
+    with run_on(Executor("cuda", "cuda"), dtype):  # skips without a CUDA GPU
         device = torch.device("cuda")
+        if not opened:  # at least GROUP_NORM_SMEM_MIN_ROWS rows an SM on this GPU
+            rows = config.GROUP_NORM_SMEM_MIN_ROWS * config.sm_count(device)
+            shape = (rows // groups + 1, *shape[1:])
         N, C, HW = shape[0], shape[1], math.prod(shape[2:])
         cfg = config.group_norm_smem_backward(N * groups, C // groups, HW, dtype, device)
         assert cfg is not None and cfg.smem and cfg.split * cfg.block_size >= C // groups * HW, cfg

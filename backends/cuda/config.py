@@ -303,6 +303,26 @@ def forward(M: int, N: int, dtype: torch.dtype, device: torch.device, kind: str 
     return cfg
 
 
+# LayerNorm's fused forward takes both moments of a row in one reduction (ONE_READ of
+# layer_norm._fwd_fused_kernel: E[xs^2] - E[xs]^2 of xs = x - x[row, 0], the variance taken again
+# about the mean where the shift is an outlier) for rows of at least ONE_READ_MIN_N: one program a
+# row and an SM, whose two cross-warp reductions are what it waits on. H100, 2^27 elements, GPU time,
+# fractions of bench.copy_gbps, against the two-pass kernel in the same process (perf-notes v35,
+# ln-ab2.txt): N = 32768 bf16 0.914-0.918 -> 0.934, fp16 0.919-0.921 -> 0.937, add_layer_norm fp32
+# 0.949-0.950 -> 0.983 (16-bit add_layer_norm level at 0.976-0.980); fp32 layer_norm 0.921-0.922 ->
+# 0.913 (ptxas: 24 bytes spilled with the outlier branch), so not there; 4096-16384 level or within
+# 0.007 either way, so not there either. CUDA tensors only: the interpreter folds a tuple reduction
+# left to right (fp32 sums of 20000 squares off by ~1e-5), where the GPU sums a tree.
+ONE_READ_MIN_N = 32768
+
+
+def one_read_moments(cfg: LaunchConfig, dtype: torch.dtype, device: torch.device, is_rms: bool,
+                     add: bool) -> bool:  # fmt: skip
+    """Whether the fused LayerNorm forward of ``cfg`` takes its moments in one reduction."""
+    return (device.type == "cuda" and not is_rms and cfg.fused and cfg.rows_per_program == 1
+            and cfg.block_size >= ONE_READ_MIN_N and (add or dtype.itemsize == 2))  # fmt: skip
+
+
 # Rows resident in shared memory (smem.py), keyed by op kind: (chunk elements, num_warps, shortest
 # row). Only for the kinds, dtypes and lengths measured faster than the alternatives: 16-bit rows
 # longer than the fused limit that fit one program's shared memory (N <= 114688 on the H100). H100,

@@ -51,6 +51,14 @@ from normkit.backends.cuda.smem import cp, gl
 from normkit.backends.row_norm_contract import row_norm_contract
 
 
+VAR_RATIO = tl.constexpr(8.0)  # one-read variance kept where E[(x - shift)^2] <= VAR_RATIO * var
+
+
+@triton.jit
+def _add_pair(a1, b1, a2, b2):
+    return a1 + a2, b1 + b2
+
+
 @triton.jit
 def _fwd_fused_kernel(
     X,  # (M, N) input rows; row stride stride_x, unit column stride
@@ -82,6 +90,7 @@ def _fwd_fused_kernel(
     DROPOUT: tl.constexpr,
     ACC: tl.constexpr,  # math dtype: fp32, fp64 for fp64 inputs
     STATS: tl.constexpr = True,  # write Mean / Rstd (False: an inference plan, nothing saved)
+    ONE_READ: tl.constexpr = False,  # LayerNorm's moments in one reduction (config.one_read_moments)
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
@@ -106,12 +115,33 @@ def _fwd_fused_kernel(
         if ADD and HAS_R:
             shift += tl.load(R + rows64 * stride_r, mask=row_mask, other=0.0).to(ACC)
         xs = tl.where(mask, x - shift[:, None], 0.0)
-        mean_s = tl.sum(xs, axis=1)[:, None] * reciprocal(N, ACC)
+        if ONE_READ:
+            # One cross-warp reduction for both moments of x - shift (a whole row a program: its
+            # barriers are what it waits on, perf-notes v35), var = E[xs^2] - E[xs]^2. That
+            # difference loses ~ E[xs^2] / var ulps, so where E[xs^2] > VAR_RATIO * var (the shift
+            # an outlier: |x[row, 0] - mean| > 2.6 std) the variance is taken again about the mean.
+            # Scalars (the one row's): the test is a branch, not another reduction.
+            tl.static_assert(ROWS == 1)
+            xr = tl.reshape(xs, [BLOCK_N])
+            s1, s2 = tl.reduce((xr, xr * xr), 0, _add_pair)
+            mean = s1 * reciprocal(N, ACC)
+            ms2 = s2 * reciprocal(N, ACC)
+            var = ms2 - mean * mean
+            xc = tl.where(mask, xs - mean, 0.0)
+            if ms2 > VAR_RATIO * var:
+                var = tl.sum(xc * xc) * reciprocal(N, ACC)
+            var = tl.zeros([ROWS], ACC) + var
+            mean_s = tl.zeros([ROWS, 1], ACC) + mean
+        else:
+            mean_s = tl.sum(xs, axis=1)[:, None] * reciprocal(N, ACC)
+            xc = tl.where(mask, xs - mean_s, 0.0)
+            # Two-pass variance over registers: no E[x^2] - E[x]^2 cancellation for large means.
+            var = tl.sum(xc * xc, axis=1) * reciprocal(N, ACC)
         if STATS:
             tl.store(Mean + rows[:, None], shift[:, None] + mean_s, mask=row_mask[:, None])
-        xc = tl.where(mask, xs - mean_s, 0.0)
-    # Two-pass variance over registers: no E[x^2] - E[x]^2 cancellation for large means.
-    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) * reciprocal(N, ACC) + exact_eps(eps, eps_lo, ACC))
+    if IS_RMS:
+        var = tl.sum(xc * xc, axis=1) * reciprocal(N, ACC)
+    rstd = 1.0 / tl.sqrt(var + exact_eps(eps, eps_lo, ACC))
     if STATS:
         tl.store(Rstd + rows, rstd, mask=row_mask)
     y = xc * rstd[:, None]
@@ -1368,8 +1398,9 @@ def _forward(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtype=Non
     key = (M, N, x.stride(0), r.stride(0), tensor_spec(x), tensor_spec(residual), tensor_spec(weight),
            tensor_spec(bias), h_dtype, is_rms, add, dropout_p > 0, int_spec(drop[0]))  # fmt: skip
     if cfg.fused:
+        one_read = config.one_read_moments(cfg, x.dtype, x.device, is_rms, add)
         launch(_fwd_fused_kernel, cfg.grid, *args, M, N, eps, tail, *drop, key=key, ROWS=cfg.rows_per_program,
-                                    BLOCK_N=cfg.block_size, **flags)  # fmt: skip
+               BLOCK_N=cfg.block_size, ONE_READ=one_read, **flags)
     elif cfg.smem and cfg.in_parts:
         terms = smem.terms_workspace(cfg.grid[0] // cfg.parts, cfg.parts, cfg.ring, x.device)
         launch(_fwd_smem_split_kernel, cfg.grid, *args[:8], *terms, *args[8:], M, N, cfg.parts, cfg.part, eps,
@@ -1476,8 +1507,9 @@ def plan_row_norm(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtyp
                  HAS_R=residual is not None, DROPOUT=False, ACC=config.tl_acc_dtype(x.dtype),
                  num_warps=cfg.num_warps)  # fmt: skip
     if cfg.fused:
+        one_read = config.one_read_moments(cfg, x.dtype, x.device, is_rms, add)
         bound = Bound(_fwd_fused_kernel, cfg.grid, x.device.index, ROWS=cfg.rows_per_program,
-                      BLOCK_N=cfg.block_size, STATS=grad, **flags)  # fmt: skip
+                      BLOCK_N=cfg.block_size, STATS=grad, ONE_READ=one_read, **flags)  # fmt: skip
     elif cfg.smem:
         fn = _fwd_smem_split_kernel if cfg.in_parts else _fwd_smem_kernel
         bound = Bound(fn, cfg.grid, x.device.index, **_smem_meta(cfg, flags, N))

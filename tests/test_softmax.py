@@ -7,13 +7,14 @@ import torch
 from conftest import executor_params
 
 import normkit
+from normkit import reference
 from normkit.testing import SOFTMAX_OPS, Executor, assert_close, check_softmax_case, softmax_reference
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 DEVICE_SHAPES = [(m, n) for m in (1, 3, 128, 1151) for n in (1, 7, 1023, 1024, 1025, 4096, 20001, 40999)]
 # One shape per code path: fused single/many rows per program, tile edges, the looped (online
 # max/sum) path at 40999 > the fused limit, multi-tile NPU rows. On CUDA, 20001 is a fused row in
-# 16-bit and a split row in the fp32 backward (FUSED_MAX_N_SOFTMAX_BWD), 40999 a split row.
+# the forward and a looped row in the backward (config.LOOPED_SOFTMAX_BWD), 40999 a split row.
 INTERPRETER_SHAPES = [(1, 1), (3, 7), (1151, 7), (3, 1023), (2, 1025), (2, 4096), (2, 40999)]
 
 
@@ -191,6 +192,36 @@ def test_rows_in_parts(run_on, shape, dtype, op):
         y = getattr(normkit, op)(x, -1)
         assert_close(y, softmax_reference(op, x, x, -1)[0], dtype, "fwd", "y")
         assert torch.equal(y, getattr(normkit, op)(x, -1))
+
+
+LOOPED_BWD_SHAPES = [(5, 16385), (3, 20001), (7, 32768)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("op", SOFTMAX_OPS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", LOOPED_BWD_SHAPES, ids=str)
+def test_backward_looped_rows(run_on, shape, dtype, op):
+    """Rows of 16385-32768 take the looped backward (config.LOOPED_SOFTMAX_BWD, asserted): through the
+    public API (with -inf entries and an all -inf row too) and through a training plan, dx matches
+    fp64 from the saved y; a second call gives the same bits."""
+    from normkit.backends.cuda import config, softmax
+
+    log = op == "log_softmax"
+    with run_on(Executor("cuda", "cuda"), dtype):
+        cfg = config.softmax_backward(*shape, dtype, torch.device("cuda"), log)
+        assert not cfg.fused and cfg.split == 1 and not cfg.smem, cfg
+        seed = zlib.crc32(f"{shape}{op}{dtype}looped".encode())
+        check_softmax_case(op, shape, -1, dtype, "cuda", seed=seed)
+        check_softmax_case(op, shape, -1, dtype, "cuda", seed=seed + 1, neg_inf=True)
+        g = torch.Generator().manual_seed(seed)
+        x = (3 * torch.randn(shape, generator=g, dtype=torch.float64)).to(dtype).cuda()
+        dy = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype).cuda()
+        forward, backward = softmax.plan_softmax(x, log, grad=True)
+        y = forward(x)
+        dx = backward(dy, y)
+        assert_close(dx, reference.softmax_bwd(dy.double(), y.double(), log), dtype, "bwd", "dx")
+        assert torch.equal(dx, backward(dy, y))
 
 
 @pytest.mark.cuda

@@ -575,10 +575,29 @@ def softmax(M: int, N: int, dtype: torch.dtype, device: torch.device, smem_ok: b
     return forward(M, N, dtype, device, "softmax", smem_ok)
 
 
+# Softmax backward, rows of LOOPED_SOFTMAX_BWD_N (exclusive, inclusive]: the looped kernel, its second
+# sweep re-reading the row from L1 / L2, (column tile, num_warps) keyed by (element size >= 4,
+# log_softmax). H100, M = 4096, N = 32768, fraction of copy, two readings each, against the fused /
+# split-row kernels in the same process (perf-notes v36, ab2.txt): softmax 16-bit 32768 x 16 warps
+# 0.995-0.997 vs 0.917-0.960 (16384 x 16 0.909-0.917, 8192 x 32 0.932-0.939); log_softmax 16-bit
+# 16384 x 16 1.001-1.003 vs 0.992-0.996 (32768 x 16 0.753-0.760); fp32 softmax 16384 x 32 0.970 vs
+# 0.955 (split rows; 32768 x 16 0.948, 2 registers spilled); fp32 log_softmax 16384 x 32 1.007 vs 0.956.
+LOOPED_SOFTMAX_BWD_N = (16384, 32768)
+LOOPED_SOFTMAX_BWD = {(False, False): (32768, 16), (False, True): (16384, 16), (True, False): (16384, 32),
+                      (True, True): (16384, 32)}  # fmt: skip
+
+
 @_memoized
-def softmax_backward(M: int, N: int, dtype: torch.dtype, device: torch.device) -> LaunchConfig:
-    """Softmax backward: fused rows of y and dy up to ``FUSED_MAX_N_SOFTMAX_BWD``, else split rows
-    (0.79-0.84 of copy at N = 65536 - 262144 vs 0.56-0.59 looped, bf16; perf-notes v5), else looped."""
+def softmax_backward(M: int, N: int, dtype: torch.dtype, device: torch.device,
+                     log: bool = False) -> LaunchConfig:  # fmt: skip
+    """Softmax backward (``log``: log_softmax's): the looped kernel for rows of 16385-32768 in 16-bit
+    and fp32 (``LOOPED_SOFTMAX_BWD``), else fused rows of y and dy up to ``FUSED_MAX_N_SOFTMAX_BWD``,
+    else split rows (0.79-0.84 of copy at N = 65536 - 262144 vs 0.56-0.59 looped, bf16; perf-notes
+    v5), else looped."""
+    lo, hi = LOOPED_SOFTMAX_BWD_N
+    if lo < N <= hi and dtype.itemsize <= 4:
+        block, warps = LOOPED_SOFTMAX_BWD[(dtype.itemsize >= 4, log)]
+        return LaunchConfig(block, warps, 1, (M,), False)
     cfg = _row_sweep(M, N, dtype, FUSED_MAX_N_SOFTMAX_BWD[dtype.itemsize >= 4])
     if not cfg.fused:
         cfg = split_row(M, N, dtype, device, *SPLIT_SOFTMAX_BWD[dtype.itemsize >= 4]) or cfg

@@ -98,7 +98,13 @@ def _fwd_fused_kernel(
     col_mask = cols < N
     mask = row_mask[:, None] & col_mask[None, :]
     rows64 = rows.to(tl.int64)
-    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(ACC)
+    # evict_last on x, the weight and the bias (each read once a program): +0.003-0.01 of copy at
+    # N = 1024-16384, fp32 LayerNorm 32768 0.939 against 0.924 (H100, perf-notes v36); not with
+    # ONE_READ, where it read 0.924-0.929 against 0.938-0.946 (16-bit LayerNorm 32768). Why a hint
+    # on a streamed read helps is not established.
+    evict: tl.constexpr = "" if ONE_READ else "evict_last"
+    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0,
+                eviction_policy=evict).to(ACC)  # fmt: skip
     if ADD:
         h = residual_in(x, R + rows64[:, None] * stride_r + cols[None, :], mask, seed,
                         rows64[:, None] * N + cols[None, :], p, scale, HAS_R, DROPOUT)  # fmt: skip
@@ -146,9 +152,9 @@ def _fwd_fused_kernel(
         tl.store(Rstd + rows, rstd, mask=row_mask)
     y = xc * rstd[:, None]
     if HAS_W:
-        y = y * tl.load(W + cols, mask=col_mask, other=0.0).to(ACC)[None, :]
+        y = y * tl.load(W + cols, mask=col_mask, other=0.0, eviction_policy=evict).to(ACC)[None, :]
     if HAS_B:
-        y = y + tl.load(B + cols, mask=col_mask, other=0.0).to(ACC)[None, :]
+        y = y + tl.load(B + cols, mask=col_mask, other=0.0, eviction_policy=evict).to(ACC)[None, :]
     tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 

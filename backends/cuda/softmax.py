@@ -41,7 +41,10 @@ def _fwd_fused_kernel(
     cols = tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     rows64 = rows.to(tl.int64)
-    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=float("-inf")).to(ACC)
+    # evict_last (as the row norms' fused forward): rows of 32768 read 0.934-0.943 of copy against
+    # 0.919-0.938 without it (16-bit), 0.995 against 0.979 (fp32) (H100, perf-notes v36).
+    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=float("-inf"),
+                eviction_policy="evict_last").to(ACC)  # fmt: skip
     xm = x - tl.max(x, axis=1)[:, None]
     e = tl.exp(xm)
     s = tl.sum(e, axis=1)[:, None]
@@ -377,23 +380,37 @@ def _bwd_looped_kernel(
     BLOCK_N: tl.constexpr,  # column tile; one program per row
     LOG: tl.constexpr,
     ACC: tl.constexpr,
+    REVERSE: tl.constexpr,  # N > BLOCK_N: the second sweep takes the tiles last first
 ):
+    # Two sweeps of a row: the first sums dy * y (dy for log_softmax) into per-column accumulators
+    # (one cross-warp reduction a row), reading with evict_last; the second reads the tiles again,
+    # last tile first where there are several, so that the most recently read come first while
+    # they are still in L1 / L2 (16-bit log_softmax, 16384-column tiles at N = 32768: 1.00 of copy,
+    # 0.88 in order). A row of one tile keeps the plain order (32768: 0.997 against 0.757).
+    # Rows of 16385-32768 (config.LOOPED_SOFTMAX_BWD) read 0.97-1.01 of copy against 0.92-0.96
+    # for the fused and split-row kernels (H100, perf-notes v36).
     row = tl.cast(tl.program_id(0), tl.int64)
     cols = tl.arange(0, BLOCK_N)
-    c = tl.zeros((), ACC)
+    acc = tl.zeros([BLOCK_N], ACC)
     for start in range(0, N, BLOCK_N):
         offs = start + cols
         mask = offs < N
-        dy = tl.load(DY + row * stride_dy + offs, mask=mask, other=0.0).to(ACC)
+        dy = tl.load(DY + row * stride_dy + offs, mask=mask, other=0.0, eviction_policy="evict_last").to(ACC)
         if LOG:
-            c += tl.sum(dy, axis=0)
+            acc += dy
         else:
-            c += tl.sum(dy * tl.load(Y + row * stride_y + offs, mask=mask, other=0.0).to(ACC), axis=0)
-    for start in range(0, N, BLOCK_N):
-        offs = start + cols
+            acc += dy * tl.load(Y + row * stride_y + offs, mask=mask, other=0.0,
+                                eviction_policy="evict_last").to(ACC)  # fmt: skip
+    c = tl.sum(acc, axis=0)
+    tiles = tl.cdiv(N, BLOCK_N)
+    for i in range(0, tiles):
+        if REVERSE:
+            offs = (tiles - 1 - i) * BLOCK_N + cols
+        else:
+            offs = i * BLOCK_N + cols
         mask = offs < N
-        dy = tl.load(DY + row * stride_dy + offs, mask=mask, other=0.0).to(ACC)
-        y = tl.load(Y + row * stride_y + offs, mask=mask, other=0.0).to(ACC)
+        dy = tl.load(DY + row * stride_dy + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(ACC)
+        y = tl.load(Y + row * stride_y + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(ACC)
         if LOG:
             dx = dy - tl.exp(y) * c
         else:
@@ -518,8 +535,8 @@ def plan_softmax(x, log, grad=False):
     shared-memory or split-row kernels, called directly (split rows: with a fresh workspace each
     call). Inference: ``run(input) -> y``, one launch. Training (``grad``): ``(forward, backward)``,
     ``forward(input) -> y`` and ``backward(dy, y) -> dx`` with dy contiguous and 16-byte aligned.
-    Rows in parts take the workspace of the current stream at each call. None where a direction
-    takes the looped kernels, or off the GPU."""
+    Rows in parts take the workspace of the current stream at each call. None where the forward
+    takes the looped kernel, or off the GPU."""
     M, N = x.shape
     cfg = config.softmax(M, N, x.dtype, x.device, smem.rows_fit(x))
     if x.device.type != "cuda" or not (cfg.fused or cfg.smem or cfg.split > 1):
@@ -548,7 +565,7 @@ def plan_softmax(x, log, grad=False):
 
     if not grad:
         return run
-    bcfg = config.softmax_backward(M, N, x.dtype, x.device)
+    bcfg = config.softmax_backward(M, N, x.dtype, x.device, log)
     if bcfg.fused:
         bwd = Bound(_bwd_fused_kernel, bcfg.grid, index, ROWS=bcfg.rows_per_program, BLOCK_N=bcfg.block_size,
                     num_warps=bcfg.num_warps, **flags)  # fmt: skip
@@ -556,12 +573,15 @@ def plan_softmax(x, log, grad=False):
         bwd = Bound(_bwd_split_kernel, bcfg.grid, index, num_warps=bcfg.num_warps, **coop.split_meta(bcfg),
                     **flags)  # fmt: skip
     else:
-        return None
+        bwd = Bound(_bwd_looped_kernel, bcfg.grid, index, BLOCK_N=bcfg.block_size, num_warps=bcfg.num_warps,
+                    REVERSE=N > bcfg.block_size, **flags)  # fmt: skip
 
     def backward(dy, y):
         dx = torch.empty_like(y)
         if bcfg.fused:
             bwd(dy, y, dx, N, N, N, M, N)
+        elif bcfg.split == 1:
+            bwd(dy, y, dx, N, N, N, N)
         else:
             bwd(dy, y, dx, N, N, N, *coop.workspace(M, 1, bcfg.split, acc, y.device), M, N, bcfg.split)
         return dx
@@ -572,7 +592,7 @@ def plan_softmax(x, log, grad=False):
 def softmax_bwd(dy, y, log):
     """dy, y: (M, N) -> dx, in y.dtype."""
     M, N = y.shape
-    cfg = config.softmax_backward(M, N, y.dtype, y.device)
+    cfg = config.softmax_backward(M, N, y.dtype, y.device, log)
     dx = torch.empty((M, N), dtype=y.dtype, device=y.device)
     strides = (dy.stride(0), y.stride(0), dx.stride(0))
     flags = dict(LOG=log, ACC=config.tl_acc_dtype(y.dtype), num_warps=cfg.num_warps)
@@ -585,5 +605,6 @@ def softmax_bwd(dy, y, log):
         launch(_bwd_split_kernel, cfg.grid, dy, y, dx, *strides, part, count, M, N, cfg.split, key=key,
                **coop.split_meta(cfg), **flags)  # fmt: skip
     else:
-        launch(_bwd_looped_kernel, cfg.grid, dy, y, dx, *strides, N, key=key, BLOCK_N=cfg.block_size, **flags)
+        launch(_bwd_looped_kernel, cfg.grid, dy, y, dx, *strides, N, key=key, BLOCK_N=cfg.block_size,
+               REVERSE=N > cfg.block_size, **flags)  # fmt: skip
     return dx

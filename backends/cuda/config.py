@@ -31,10 +31,11 @@ FUSED_MAX_N_FWD = 32768
 # 0.92 split (perf-notes v15), so fp32 RMSNorm splits from 16384 too; 16-bit RMSNorm keeps the fused
 # 0.76-0.82 (split LayerNorm: 0.69-0.71) where its rows cannot take shared memory (SMEM_BWD: 0.94).
 FUSED_MAX_N_BWD = {(False, False): 8192, (False, True): 8192, (True, False): 16384, (True, True): 8192}
-# The softmax backward holds a row of y and one of dy; keyed by element size >= 4. At N = 32768
-# (M = 4096, GPU time only, H100; perf-notes v18) fused vs split rows: softmax / log_softmax bf16
-# 0.97 / 1.00 vs 0.91 / 0.89, fp16 0.92 / 1.00 vs 0.91 / 0.90, fp32 0.87 / 0.91 vs 0.95 / 0.95.
-FUSED_MAX_N_SOFTMAX_BWD = {False: 32768, True: 16384}
+# The softmax backward holds a row of y and one of dy. At N = 32768 (M = 4096, GPU time only, H100;
+# perf-notes v18) fused vs split rows: softmax / log_softmax bf16 0.97 / 1.00 vs 0.91 / 0.89, fp16
+# 0.92 / 1.00 vs 0.91 / 0.90, fp32 0.87 / 0.91 vs 0.95 / 0.95; rows of 16385-32768 now take the
+# looped kernel instead (LOOPED_SOFTMAX_BWD, perf-notes v36), so the fused limit is 16384 for every dtype.
+FUSED_MAX_N_SOFTMAX_BWD = 16384
 # fp64 rows take twice the registers.
 FP64_DIVISOR = 2
 
@@ -598,7 +599,7 @@ def softmax_backward(M: int, N: int, dtype: torch.dtype, device: torch.device,
     if lo < N <= hi and dtype.itemsize <= 4:
         block, warps = LOOPED_SOFTMAX_BWD[(dtype.itemsize >= 4, log)]
         return LaunchConfig(block, warps, 1, (M,), False)
-    cfg = _row_sweep(M, N, dtype, FUSED_MAX_N_SOFTMAX_BWD[dtype.itemsize >= 4])
+    cfg = _row_sweep(M, N, dtype, FUSED_MAX_N_SOFTMAX_BWD)
     if not cfg.fused:
         cfg = split_row(M, N, dtype, device, *SPLIT_SOFTMAX_BWD[dtype.itemsize >= 4]) or cfg
     return cfg

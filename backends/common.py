@@ -9,6 +9,15 @@ import triton.language as tl
 
 
 @triton.jit
+def as_col(v, ROWS: tl.constexpr):
+    """``v[:, None]``: a value a row of a (ROWS, BLOCK_N) tile, set against the tile's columns; ``v``
+    itself where ROWS == 1 and the tile is one row in 1-D (its values a row are scalars)."""
+    if ROWS != 1:
+        v = v[:, None]
+    return v
+
+
+@triton.jit
 def exact_eps(eps, eps_tail, ACC: tl.constexpr):
     """eps in the math dtype from its fp32 head and tail (the CUDA launchers' ``config.eps_tail``)."""
     if ACC == tl.float64:

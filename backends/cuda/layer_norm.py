@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from normkit.backends.common import (
+    as_col,
     chan_merge,
     exact_eps,
     normalize,
@@ -92,35 +93,40 @@ def _fwd_fused_kernel(
     STATS: tl.constexpr = True,  # write Mean / Rstd (False: an inference plan, nothing saved)
     ONE_READ: tl.constexpr = False,  # LayerNorm's moments in one reduction (config.one_read_moments)
 ):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    # ROWS == 1: the row is a 1-D tile, its statistics scalars and no row mask (grid = M). The
+    # [1, BLOCK_N] form, or a row mask, spills under ptxas at 32768 fp32 (12-24 bytes; perf-notes v37).
     cols = tl.arange(0, BLOCK_N)
-    row_mask = rows < M
     col_mask = cols < N
-    mask = row_mask[:, None] & col_mask[None, :]
+    if ROWS == 1:
+        rows = tl.program_id(0)
+        row_mask = True
+        mask = col_mask
+    else:
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        row_mask = rows < M
+        mask = row_mask[:, None] & col_mask
     rows64 = rows.to(tl.int64)
     # evict_last on x, the weight and the bias (each read once a program): +0.003-0.01 of copy at
     # N = 1024-16384, fp32 LayerNorm 32768 0.939 against 0.924 (H100, perf-notes v36); not with
     # ONE_READ, where it read 0.924-0.929 against 0.938-0.946 (16-bit LayerNorm 32768). Why a hint
     # on a streamed read helps is not established.
     evict: tl.constexpr = "" if ONE_READ else "evict_last"
-    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0,
+    x = tl.load(X + as_col(rows64 * stride_x, ROWS) + cols, mask=mask, other=0.0,
                 eviction_policy=evict).to(ACC)  # fmt: skip
     if ADD:
-        h = residual_in(x, R + rows64[:, None] * stride_r + cols[None, :], mask, seed,
-                        rows64[:, None] * N + cols[None, :], p, scale, HAS_R, DROPOUT)  # fmt: skip
+        h = residual_in(x, R + as_col(rows64 * stride_r, ROWS) + cols, mask, seed,
+                        as_col(rows64 * N, ROWS) + cols, p, scale, HAS_R, DROPOUT)  # fmt: skip
         h = h.to(H.dtype.element_ty)
-        tl.store(H + rows64[:, None] * stride_h + cols[None, :], h, mask=mask)
+        tl.store(H + as_col(rows64 * stride_h, ROWS) + cols, h, mask=mask)
         x = h.to(ACC)  # normalize h as stored, so the backward (which reads h) sees the same row
-    if IS_RMS:
-        xc = x
-    else:
+    if not IS_RMS:
         # Statistics of x - shift with shift = x[row, 0] (+ residual[row, 0]): exact differences,
         # so the mean (and y) stay accurate for rows whose mean dwarfs their spread
         # (x = 1e4 + randn). Any value near the row's values serves; dropout is ignored here.
         shift = tl.load(X + rows64 * stride_x, mask=row_mask, other=0.0).to(ACC)
         if ADD and HAS_R:
             shift += tl.load(R + rows64 * stride_r, mask=row_mask, other=0.0).to(ACC)
-        xs = tl.where(mask, x - shift[:, None], 0.0)
+        xs = tl.where(mask, x - as_col(shift, ROWS), 0.0)
         if ONE_READ:
             # One cross-warp reduction for both moments of x - shift (a whole row a program: its
             # barriers are what it waits on, perf-notes v35), var = E[xs^2] - E[xs]^2. That
@@ -128,34 +134,36 @@ def _fwd_fused_kernel(
             # an outlier: |x[row, 0] - mean| > 2.6 std) the variance is taken again about the mean.
             # Scalars (the one row's): the test is a branch, not another reduction.
             tl.static_assert(ROWS == 1)
-            xr = tl.reshape(xs, [BLOCK_N])
-            s1, s2 = tl.reduce((xr, xr * xr), 0, _add_pair)
+            s1, s2 = tl.reduce((xs, xs * xs), 0, _add_pair)
             mean = s1 * reciprocal(N, ACC)
             ms2 = s2 * reciprocal(N, ACC)
             var = ms2 - mean * mean
-            xc = tl.where(mask, xs - mean, 0.0)
             if ms2 > VAR_RATIO * var:
+                xc = tl.where(mask, x - shift - mean, 0.0)
                 var = tl.sum(xc * xc) * reciprocal(N, ACC)
-            var = tl.zeros([ROWS], ACC) + var
-            mean_s = tl.zeros([ROWS, 1], ACC) + mean
         else:
-            mean_s = tl.sum(xs, axis=1)[:, None] * reciprocal(N, ACC)
-            xc = tl.where(mask, xs - mean_s, 0.0)
+            mean = tl.sum(xs, axis=-1) * reciprocal(N, ACC)
+            xc = tl.where(mask, xs - as_col(mean, ROWS), 0.0)
             # Two-pass variance over registers: no E[x^2] - E[x]^2 cancellation for large means.
-            var = tl.sum(xc * xc, axis=1) * reciprocal(N, ACC)
+            var = tl.sum(xc * xc, axis=-1) * reciprocal(N, ACC)
         if STATS:
-            tl.store(Mean + rows[:, None], shift[:, None] + mean_s, mask=row_mask[:, None])
+            tl.store(Mean + rows, shift + mean, mask=row_mask)
     if IS_RMS:
-        var = tl.sum(xc * xc, axis=1) * reciprocal(N, ACC)
+        var = tl.sum(x * x, axis=-1) * reciprocal(N, ACC)
     rstd = 1.0 / tl.sqrt(var + exact_eps(eps, eps_lo, ACC))
     if STATS:
         tl.store(Rstd + rows, rstd, mask=row_mask)
-    y = xc * rstd[:, None]
+    if IS_RMS:
+        y = x * as_col(rstd, ROWS)
+    else:
+        # From x again, not from xc (the same values): ptxas keeps x and fits 64 registers a
+        # thread where holding xc spilled 12 bytes (32768 fp32, 32 warps; perf-notes v37).
+        y = (x - as_col(shift, ROWS) - as_col(mean, ROWS)) * as_col(rstd, ROWS)
     if HAS_W:
-        y = y * tl.load(W + cols, mask=col_mask, other=0.0, eviction_policy=evict).to(ACC)[None, :]
+        y = y * tl.load(W + cols, mask=col_mask, other=0.0, eviction_policy=evict).to(ACC)
     if HAS_B:
-        y = y + tl.load(B + cols, mask=col_mask, other=0.0, eviction_policy=evict).to(ACC)[None, :]
-    tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+        y = y + tl.load(B + cols, mask=col_mask, other=0.0, eviction_policy=evict).to(ACC)
+    tl.store(Y + as_col(rows64 * stride_y, ROWS) + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from normkit.backends.common import online_max_sum
+from normkit.backends.common import as_col, online_max_sum
 from normkit.backends.cuda import config, coop, smem
 from normkit.backends.cuda.launch import Bound, launch, tensor_spec
 from normkit.backends.cuda.coop import arrive, load_chunk, wait
@@ -37,22 +37,27 @@ def _fwd_fused_kernel(
     LOG: tl.constexpr,  # log_softmax
     ACC: tl.constexpr,  # math dtype
 ):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    # ROWS == 1: the row is a 1-D tile and no row mask (grid = M), as layer_norm's fused forward.
     cols = tl.arange(0, BLOCK_N)
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    if ROWS == 1:
+        rows = tl.program_id(0)
+        mask = cols < N
+    else:
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        mask = (rows < M)[:, None] & (cols < N)
     rows64 = rows.to(tl.int64)
     # evict_last (as the row norms' fused forward): rows of 32768 read 0.934-0.943 of copy against
     # 0.919-0.938 without it (16-bit), 0.995 against 0.979 (fp32) (H100, perf-notes v36).
-    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=float("-inf"),
+    x = tl.load(X + as_col(rows64 * stride_x, ROWS) + cols, mask=mask, other=float("-inf"),
                 eviction_policy="evict_last").to(ACC)  # fmt: skip
-    xm = x - tl.max(x, axis=1)[:, None]
+    xm = x - as_col(tl.max(x, axis=-1), ROWS)
     e = tl.exp(xm)
-    s = tl.sum(e, axis=1)[:, None]
+    s = as_col(tl.sum(e, axis=-1), ROWS)
     if LOG:
         y = xm - tl.log(s)
     else:
         y = e / s
-    tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + as_col(rows64 * stride_y, ROWS) + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -315,10 +315,10 @@ def forward(M: int, N: int, dtype: torch.dtype, device: torch.device, kind: str 
 # 0.007 either way, so not there either. CUDA tensors only: the interpreter folds a tuple reduction
 # left to right (fp32 sums of 20000 squares off by ~1e-5), where the GPU sums a tree.
 # Superseded for the add-norms (their figures above are the 2-D form's): they went back to two passes
-# when the one-row tile became 1-D (perf-notes v37): that form
-# stopped spilling, and at 32768 the two-pass kernel read fp32 0.988 against one-read's 0.929 (which
-# spills 24-28 bytes), bf16 / fp16 0.988-0.990 against 0.979-0.981, two rounds each on the H100;
-# 16-bit layer_norm stays one-read (0.945-0.960 against two passes' 0.933-0.942).
+# when the one-row tile became 1-D (perf-notes v37). That form stopped spilling, and at 32768 the
+# two-pass kernel read fp32 0.988 against one-read's 0.929 (which spills 24-28 bytes), bf16 / fp16
+# 0.988-0.990 against 0.979-0.981, two rounds each on the H100; 16-bit layer_norm stays one-read
+# (0.945-0.960 against two passes' 0.933-0.942).
 ONE_READ_MIN_N = 32768
 
 

@@ -8,7 +8,8 @@ from conftest import DEVICE, INTERPRETER, executor_params
 
 import normkit
 from normkit import reference
-from normkit.testing import ADD_OPS, Executor, add_norm_public, check_add_norm_case, dropout_keep_mask
+from normkit.testing import (ADD_OPS, Executor, add_norm_public, assert_close, check_add_norm_case,
+                             dropout_keep_mask)
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 DEVICE_SHAPES = [(1, 1), (3, 7), (128, 1023), (1151, 1024), (1, 4096), (128, 4096), (3, 40999)]
@@ -87,6 +88,46 @@ def test_forward_rows_in_parts(run_on, op, shape, dtype):
             for call in range(2):
                 check_add_norm_case(op, shape, dtype, device, residual=residual,
                                     seed=_seed(shape, op, "fwd", call))  # fmt: skip
+
+
+# The add-LayerNorm's fused forward of rows of 16385-32768 columns (one row a program, a 1-D tile)
+# takes its moments in two reductions (config.one_read_moments is never true with the add): h far
+# from zero, or with an outlier in the column the moments are shifted by (the CUDA backend's launch
+# config is asserted: CUDA kernels only).
+@pytest.mark.parametrize("kind", ["mean far from zero", "first column 50 std off"])
+@pytest.mark.parametrize("executor,shape,dtype", [e for e in executor_params(
+    [((2, 20000), torch.float32)],
+    [((64, 32768), torch.float32), ((9, 20000), torch.float32), ((64, 32768), torch.bfloat16),
+     ((9, 20000), torch.float16)]) if e.values[0].backend == "cuda"])  # fmt: skip
+def test_add_layer_norm_long_rows_two_pass_moments(run_on, executor, shape, dtype, kind):
+    """h stored equals x + residual rounded once; rstd matches fp64 of the stored h to 1e-5, the
+    mean to 5e-4 std (plus its own rounding), y matches fp64 layer_norm of the stored h."""
+    from normkit.backends.cuda import config
+
+    with run_on(executor, dtype):
+        m, n = shape
+        device = torch.device(executor.device)
+        cfg = config.forward(m, n, dtype, device, "add_norm")
+        assert cfg.fused and cfg.rows_per_program == 1, cfg
+        assert not config.one_read_moments(cfg, dtype, device, False, True)
+        g = torch.Generator().manual_seed(_seed(shape, dtype, kind))
+        x, r = torch.randn(2, m, n, generator=g, dtype=torch.float64)
+        if kind == "mean far from zero":  # 16-bit: 300 (bf16 steps of 2 there)
+            x += 1e4 if dtype == torch.float32 else 300
+        else:
+            x[:, 0] = x[:, 1:].mean(1) + 50 * x[:, 1:].std(1)
+        w = torch.rand(n, generator=g, dtype=torch.float64) + 0.5
+        b = torch.randn(n, generator=g, dtype=torch.float64)
+        x, r, w, b = (t.to(dtype).to(device) for t in (x, r, w, b))
+        out = add_norm_public("add_layer_norm", x, r, w, b, (n,))
+        assert torch.equal(out["h"], (x.double() + r.double()).to(dtype)), "h is not x + residual"
+        h = out["h"].double()
+        _, _, mean, rstd = normkit.backend_for(x.device).add_layer_norm_fwd(x, r, w, b, 1e-5, 0.0, 0, dtype)
+        var = h.var(1, unbiased=False)
+        torch.testing.assert_close(rstd.double(), torch.rsqrt(var + 1e-5), rtol=1e-5, atol=0)
+        torch.testing.assert_close(mean.double(), h.mean(1), rtol=1.2e-7, atol=5e-4 * float(var.min().sqrt()))
+        want = torch.nn.functional.layer_norm(h, (n,), w.double(), b.double(), 1e-5)
+        assert_close(out["y"], want, dtype, "fwd", "y", rows=m)
 
 
 @pytest.mark.parametrize("op", ADD_OPS)

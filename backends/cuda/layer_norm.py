@@ -784,7 +784,15 @@ def _bwd_fused_kernel(
     DROPOUT: tl.constexpr,
     ACC: tl.constexpr,
     PREFETCH: tl.constexpr,  # load the next row tile during this one (config.backward)
+    SAME_STRIDE: tl.constexpr,  # every row stride equals stride_x (the launchers check)
 ):
+    if SAME_STRIDE:
+        # One offset for every tensor's element: five runtime strides (five 64-bit offsets a row)
+        # read fp32 RMSNorm 1024 0.92 of copy against 0.98 (H100, perf-notes v37).
+        stride_dy = stride_x
+        stride_dh = stride_x
+        stride_dx = stride_x
+        stride_dres = stride_x
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -1585,7 +1593,9 @@ def _plan_backward(M, N, dtype, device, weight, bias, is_rms, x_dtype, residual_
     flags = dict(IS_RMS=is_rms, HAS_W=has_w, HAS_DB=has_db, HAS_DRES=has_dres, DROPOUT=False,
                  ACC=config.tl_acc_dtype(dtype), num_warps=cfg.num_warps)  # fmt: skip
     if cfg.fused:
-        meta = dict(ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size, PREFETCH=cfg.prefetch)
+        # the plan's tensors are contiguous rows of N: one stride
+        meta = dict(ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size, PREFETCH=cfg.prefetch,
+                    SAME_STRIDE=True)  # fmt: skip
         kernel = _bwd_fused_kernel
     elif cfg.smem:
         (kernel, meta), flags = _smem_bwd_meta(cfg, flags), {}
@@ -1656,7 +1666,8 @@ def _backward(dy, x, weight, mean, rstd, bias_dtype, is_rms, dh=None, x_dtype=No
     if cfg.fused:
         launch(_bwd_fused_kernel, cfg.grid,
             x, dy, dh_, dx, dres_, w, mean, rstd, dw_part, db_part, *strides, M, N, *drop, key=key,
-            ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size, PREFETCH=cfg.prefetch, **flags,
+            ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size, PREFETCH=cfg.prefetch,
+            SAME_STRIDE=len(set(strides)) == 1, **flags,
         )  # fmt: skip
     elif cfg.smem:
         kernel, meta = _smem_bwd_meta(cfg, flags)

@@ -4,25 +4,27 @@ A column reduction, unlike the row norms: channel c's statistics run over N samp
 contiguous (N, C, HW) input.
 
 Split channels (``config.batch_norm_split``; where channels in parts, below, do not serve): the
-rows of coop.py applied to channels. The K co-resident programs of a channel each take a chunk of
-its N * HW values (runs of whole samples' HW columns, so each chunk reads long stretches of
-memory), publish the chunk's partial statistics (forward) or gradient sums (backward), meet at the
-channel's counter, merge the K partials in a fixed order (bitwise reproducible) and finish their
-chunk: the training forward reads x from HBM once (the chunk again from L2 after the barrier), the
-backward x and dy once (held in registers), and the k = 0 program writes the channel's statistics,
-running statistics or dweight / dbias. Pipelined settings publish the next channel's chunk before
-waiting on this one.
+rows of coop.py applied to channels. The K programs of a channel each take a chunk of its N * HW
+values (runs of whole samples' HW columns, so each chunk reads long stretches of memory), publish
+the chunk's partial statistics (forward) or gradient sums (backward), meet at the channel's
+counter, merge the K partials in a fixed order (bitwise reproducible) and finish their chunk: the
+training forward reads x from HBM once (the chunk again from L2 after the barrier), the backward x
+and dy once (held in registers), and the k = 0 program writes the channel's statistics, running
+statistics or dweight / dbias. Pipelined settings publish the next channel's chunk before waiting
+on this one. A channel group whose K programs did not all start in time (``coop.join``: SMs held by
+another stream's kernel; always under the interpreter, CPU tensors) runs solo: each program
+publishes every chunk of the channel itself (``_fwd_split_solo`` / ``_bwd_split_solo``, the same
+bits) instead of waiting.
 
-Two-pass (CPU / the interpreter, HW < ``config.BATCH_NORM_SPLIT_MIN_HW``, channels too long to
-split): each channel's samples are cut into ``parts`` slices (``config.batch_norm_sums``) so that
-the whole GPU works on a few hundred channels: program (slice, channel) walks [samples, HW] tiles
-and writes partial statistics (sums of x - x[0, c, 0] and its square: accurate for large means); a
-small kernel merges the slices by Chan's formula in a fixed order, computes rstd and updates the
-running statistics in place. The apply and dx kernels are elementwise over [rows, HW] tiles of the
-(N * C, HW) rows; the backward's per-channel sums of dy and dy * xhat (= dbias, dweight) are
-partial rows summed by ``reduce.sum_partials``. This reads x twice in training (statistics, then
-apply) and x and dy twice in the backward: 3 / 2 and 5 / 3 of the bytes a single pass moves
-(perf-notes v14, v17).
+Two-pass (HW < ``config.BATCH_NORM_SPLIT_MIN_HW``, channels too long to split): each channel's
+samples are cut into ``parts`` slices (``config.batch_norm_sums``) so that the whole GPU works on a
+few hundred channels: program (slice, channel) walks [samples, HW] tiles and writes partial
+statistics (sums of x - x[0, c, 0] and its square: accurate for large means); a small kernel merges
+the slices by Chan's formula in a fixed order, computes rstd and updates the running statistics in
+place. The apply and dx kernels are elementwise over [rows, HW] tiles of the (N * C, HW) rows; the
+backward's per-channel sums of dy and dy * xhat (= dbias, dweight) are partial rows summed by
+``reduce.sum_partials``. This reads x twice in training (statistics, then apply) and x and dy twice
+in the backward: 3 / 2 and 5 / 3 of the bytes a single pass moves (perf-notes v14, v17).
 
 Channels in parts (``config.batch_norm_smem``; HW a multiple of 16, 16-byte aligned tensors): the
 row norms' rows in parts held in shared memory with a channel for a row, for the training forward
@@ -39,7 +41,7 @@ import triton.language as tl
 from normkit.backends.common import exact_eps, reciprocal
 from normkit.backends.cuda import config, coop, reduce, smem
 from normkit.backends.cuda import layer_norm as ln
-from normkit.backends.cuda.coop import arrive, wait
+from normkit.backends.cuda.coop import arrive, join, wait
 from normkit.backends.cuda.launch import Bound, launch
 from normkit.backends.cuda.smem import cp, gl
 from normkit.reference import train_fwd_from
@@ -283,6 +285,17 @@ def _fwd_split_publish(X, c, HW, at, mask, inv_k, Part, Count, k, KP: tl.constex
 
 
 @triton.jit
+def _fwd_split_solo(X, c, L, C, HW, Part, Count, K, CHUNK: tl.constexpr, VEC: tl.constexpr, KP: tl.constexpr,
+                    ACC: tl.constexpr):  # fmt: skip
+    """A solo program's stand-in for the channel wait (coop.join): publish every chunk of channel
+    ``c`` itself, as the K partners would (the same offsets, counts and code: the same bits)."""
+    for j in range(K):
+        at, mask = _chunk(j, L, HW, tl.cast(C, tl.int64) * HW, CHUNK, VEC)
+        inv_j = reciprocal(tl.minimum(L - j * CHUNK, CHUNK), ACC)
+        _fwd_split_publish(X, c, HW, at, mask, inv_j, Part, Count, j, KP, ACC)
+
+
+@triton.jit
 def _fwd_split_kernel(
     X,  # (N, C, HW) contiguous input
     Y,  # (N, C, HW) out
@@ -295,7 +308,7 @@ def _fwd_split_kernel(
     RMeanOut,  # (C,) out: the running mean after this step (written when HAS_RM)
     RVarOut,  # (C,) out: the running variance after this step, with the unbiased variance (HAS_RV)
     Part,  # (C, 2, KP) ACC workspace: per-chunk mean of x - x[0, c, 0] and M2 about it
-    Count,  # (C,) int32, zeroed: the channel barriers
+    Count,  # (2 C,) int32, zeroed: the channel barriers, then the channel groups' start words (coop.join)
     L,  # values per channel: N * HW
     C,
     HW,
@@ -313,6 +326,7 @@ def _fwd_split_kernel(
     HAS_RV: tl.constexpr,
     ACC: tl.constexpr,
     PIPELINE: tl.constexpr,  # the next channel's statistics published before this channel's wait
+    SPIN: tl.constexpr,  # polls to wait for the channel group to fill (coop.join)
 ):
     """Training forward, x read from HBM once: the K programs of a channel each publish their
     chunk's statistics, meet at the channel's barrier (coop.py), merge the K partials in a fixed
@@ -322,6 +336,7 @@ def _fwd_split_kernel(
     pid = tl.program_id(0)
     groups = tl.num_programs(0) // K
     k = pid % K
+    together = join(Count + C + pid // K, K, SPIN)
     at, mask = _chunk(k, L, HW, tl.cast(C, tl.int64) * HW, CHUNK, VEC)
     ks = tl.arange(0, KP)
     counts = tl.cast(tl.maximum(tl.minimum(L - ks * CHUNK, CHUNK), 0), ACC)  # values per chunk
@@ -335,7 +350,10 @@ def _fwd_split_kernel(
                 _fwd_split_publish(X, c + groups, HW, at, mask, inv_k, Part, Count, k, KP, ACC)
         else:
             _fwd_split_publish(X, c, HW, at, mask, inv_k, Part, Count, k, KP, ACC)
-        wait(Count + c, K)
+        if together:
+            wait(Count + c, K)
+        else:
+            _fwd_split_solo(X, c, L, C, HW, Part, Count, K, CHUNK, VEC, KP, ACC)
         part = Part + tl.cast(c, tl.int64) * (2 * KP)
         p1 = tl.load(part + ks, mask=ks < K, other=0.0, cache_modifier=".cg")
         p2 = tl.load(part + KP + ks, mask=ks < K, other=0.0, cache_modifier=".cg")
@@ -383,6 +401,17 @@ def _bwd_split_publish(x, dy, c, Mean, Rstd, Part, Count, k, mask, KP: tl.conste
 
 
 @triton.jit
+def _bwd_split_solo(X, DY, c, Mean, Rstd, Part, Count, L, C, HW, K, CHUNK: tl.constexpr, VEC: tl.constexpr,
+                    KP: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
+    """A solo program's stand-in for the channel wait (coop.join): publish every chunk's sums of
+    channel ``c`` itself, as the K partners would."""
+    for j in range(K):
+        at, mask = _chunk(j, L, HW, tl.cast(C, tl.int64) * HW, CHUNK, VEC)
+        x, dy = _bwd_split_load(X, DY, c, C, HW, at, mask)
+        _bwd_split_publish(x, dy, c, Mean, Rstd, Part, Count, j, mask, KP, ACC)
+
+
+@triton.jit
 def _bwd_split_kernel(
     X,  # (N, C, HW) forward input
     DY,  # (N, C, HW) output gradient, contiguous
@@ -393,7 +422,7 @@ def _bwd_split_kernel(
     DW,  # (C,) out: sum of dy * xhat, in its dtype (written when HAS_W)
     DB,  # (C,) out: sum of dy (written when HAS_DB)
     Part,  # (C, 2, KP) ACC workspace: per-chunk sums of dy * xhat and of dy
-    Count,  # (C,) int32, zeroed: the channel barriers
+    Count,  # (2 C,) int32, zeroed: the channel barriers, then the channel groups' start words (coop.join)
     L,  # values per channel: N * HW
     C,
     HW,
@@ -406,6 +435,7 @@ def _bwd_split_kernel(
     TRAINING: tl.constexpr,  # statistics came from this batch (their gradient flows to x)
     ACC: tl.constexpr,
     PIPELINE: tl.constexpr,  # the next channel's chunks loaded and published before this one's wait
+    SPIN: tl.constexpr,  # polls to wait for the channel group to fill (coop.join)
 ):
     """Backward, x and dy read from HBM once: per-channel sums through the channel barrier as in
     the forward; dweight / dbias are those sums, written by the k = 0 program (no partial rows)."""
@@ -416,6 +446,7 @@ def _bwd_split_kernel(
     ks = tl.arange(0, KP)
     inv_n = reciprocal(L, ACC)
     c0 = pid // K
+    together = join(Count + C + c0, K, SPIN)
     if PIPELINE:
         x_next, dy_next = _bwd_split_load(X, DY, c0, C, HW, at, mask)
         _bwd_split_publish(x_next, dy_next, c0, Mean, Rstd, Part, Count, k, mask, KP, ACC)
@@ -428,7 +459,10 @@ def _bwd_split_kernel(
         else:
             x, dy = _bwd_split_load(X, DY, c, C, HW, at, mask)
             _bwd_split_publish(x, dy, c, Mean, Rstd, Part, Count, k, mask, KP, ACC)
-        wait(Count + c, K)
+        if together:
+            wait(Count + c, K)
+        else:
+            _bwd_split_solo(X, DY, c, Mean, Rstd, Part, Count, L, C, HW, K, CHUNK, VEC, KP, ACC)
         part = Part + tl.cast(c, tl.int64) * (2 * KP)
         s_dyx = tl.sum(tl.load(part + ks, mask=ks < K, other=0.0, cache_modifier=".cg"), axis=0)
         s_dy = tl.sum(tl.load(part + KP + ks, mask=ks < K, other=0.0, cache_modifier=".cg"), axis=0)
@@ -712,10 +746,11 @@ def _split_forward(cfg, shape, dtype, device, eps, has_w, has_b, has_rm, has_rv)
     L, acc = N * HW, config.acc_dtype(dtype)
     if cfg.smem:
         return _parts_forward(cfg, C, HW, L, device, eps, has_w, has_b, has_rm, has_rv)
-    bound = Bound(_fwd_split_kernel, cfg.grid, device.index, CHUNK=cfg.block_size,
-                  VEC=config.run_length(HW, dtype), KP=coop.chunks_pow2(cfg.split), HAS_W=has_w, HAS_B=has_b,
-                  HAS_RM=has_rm, HAS_RV=has_rv, ACC=config.tl_acc_dtype(dtype), PIPELINE=cfg.prefetch,
-                  num_warps=cfg.num_warps, maxnreg=cfg.maxnreg)  # fmt: skip
+    bound = _split_bound(_fwd_split_kernel, cfg.grid, device, CHUNK=cfg.block_size,
+                         VEC=config.run_length(HW, dtype), KP=coop.chunks_pow2(cfg.split), HAS_W=has_w,
+                         HAS_B=has_b, HAS_RM=has_rm, HAS_RV=has_rv, ACC=config.tl_acc_dtype(dtype),
+                         PIPELINE=cfg.prefetch, SPIN=cfg.spin, num_warps=cfg.num_warps,
+                         maxnreg=cfg.maxnreg)  # fmt: skip
     eps_lo, unbias = config.eps_tail(eps, device), L / max(1, L - 1)
 
     def forward(x, w, b, rm, rv, rm_out, rv_out, momentum):
@@ -729,6 +764,14 @@ def _split_forward(cfg, shape, dtype, device, eps, has_w, has_b, has_rm, has_rv)
         return y, mean, rstd
 
     return forward
+
+
+def _split_bound(fn, grid, device, **meta):
+    """A split-channel launch site: launch.Bound on CUDA devices; for CPU tensors (the interpreter,
+    where the channel groups run solo: coop.join) a plain :func:`launch` each call."""
+    if device.type == "cuda":
+        return Bound(fn, grid, device.index, **meta)
+    return lambda *args: launch(fn, grid, *args, **meta)
 
 
 def _parts_forward(cfg, C, HW, L, device, eps, has_w, has_b, has_rm, has_rv):
@@ -821,10 +864,11 @@ def _split_backward(cfg, shape, dtype, device, dtypes, training):
         return _parts_backward(cfg, C, HW, N * HW, device, dtypes, training)
     has_w, has_db = dtypes[0] is not None, dtypes[1] is not None
     acc = config.acc_dtype(dtype)
-    bound = Bound(_bwd_split_kernel, cfg.grid, device.index, CHUNK=cfg.block_size,
-                  VEC=config.run_length(HW, dtype), KP=coop.chunks_pow2(cfg.split), HAS_W=has_w,
-                  HAS_DB=has_db, TRAINING=training, ACC=config.tl_acc_dtype(dtype), PIPELINE=cfg.prefetch,
-                  num_warps=cfg.num_warps, maxnreg=cfg.maxnreg)  # fmt: skip
+    bound = _split_bound(_bwd_split_kernel, cfg.grid, device, CHUNK=cfg.block_size,
+                         VEC=config.run_length(HW, dtype), KP=coop.chunks_pow2(cfg.split), HAS_W=has_w,
+                         HAS_DB=has_db, TRAINING=training, ACC=config.tl_acc_dtype(dtype),
+                         PIPELINE=cfg.prefetch, SPIN=cfg.spin, num_warps=cfg.num_warps,
+                         maxnreg=cfg.maxnreg)  # fmt: skip
 
     def backward(dy, x, w, mean, rstd):
         part, count = coop.workspace(C, 2, cfg.split, acc, x.device)

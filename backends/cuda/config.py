@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from normkit.backends.cuda import smem
+from normkit.backends.cuda import compat, coop, smem
 
 # A row whose next power of two is at most this many elements is held in registers by one program
 # (one read of x). Longer rows loop over column tiles and read x twice (stats, then normalize).
@@ -205,6 +205,7 @@ class LaunchConfig:
     part: int = 0  # rows in parts (the in-parts kernels, even for one part): columns a part, a multiple of 16
     depth: int = 2  # rows in parts (forward): rows of buffers a part
     ring: int = 0  # rows in parts: slots of a row group's tagged terms (smem.row_terms)
+    spin: int = 0  # split rows: polls a program waits for its row group to fill (coop.join)
 
     @property
     def in_parts(self) -> bool:
@@ -271,13 +272,11 @@ def _row_sweep(M: int, N: int, dtype: torch.dtype, fused_max: int) -> LaunchConf
 def split_row(M: int, N: int, dtype: torch.dtype, device: torch.device, chunk: int, warps: int,
               maxnreg: int = MAX_REGISTERS, max_chunks: int = 32, prefetch: bool = False,
               ) -> LaunchConfig | None:  # fmt: skip
-    """Split-row launch (coop.py) for ``device``, or None where it cannot run: CPU tensors (the
-    interpreter runs programs one at a time, so a row barrier would never open) and rows needing
-    more chunks than co-resident programs (or than ``max_chunks``). grid = row groups x
-    chunks; group g takes rows g, g + groups, ...; ``split`` = chunks per row, ``block_size`` =
-    chunk, ``maxnreg`` the register cap the kernel is compiled with."""
-    if device.type != "cuda":
-        return None
+    """Split-row launch (coop.py) for ``device``, or None for rows needing more chunks than
+    programs that fit the SMs at once (or than ``max_chunks``). grid = row groups x chunks; group g
+    takes rows g, g + groups, ...; ``split`` = chunks per row, ``block_size`` = chunk, ``maxnreg``
+    the register cap the kernel is compiled with, ``spin`` the polls of ``coop.join`` (CPU tensors:
+    the interpreter runs programs one after another, so groups never fill and run solo at once)."""
     chunk = _fused_max(chunk, dtype)
     per_sm = min(REGISTERS_PER_SM // (warps * 32 * maxnreg), MAX_WARPS_PER_SM // warps)
     programs = per_sm * sm_count(device)
@@ -285,7 +284,8 @@ def split_row(M: int, N: int, dtype: torch.dtype, device: torch.device, chunk: i
     if chunks > min(programs, max_chunks):
         return None
     groups = max(1, min(M, programs // chunks))
-    return LaunchConfig(chunk, warps, 1, (groups * chunks,), False, chunks, maxnreg, prefetch)
+    spin = coop.SPIN if device.type == "cuda" else 0
+    return LaunchConfig(chunk, warps, 1, (groups * chunks,), False, chunks, maxnreg, prefetch, spin=spin)
 
 
 @_memoized
@@ -426,6 +426,11 @@ def smem_backward(M: int, N: int, dtype: torch.dtype, device: torch.device,
 # from L2): no spare buffer 0.73-0.88, 4096 x 4 0.76-0.85, 8192 x 3 (RMSNorm) 0.77-0.79, 16 warps
 # 0.73-0.87.
 SMEM_SPLIT_BWD = (8192, 2, 8)
+# Rows (BatchNorm: channels) in parts: K programs each hold a part in shared memory and wait for
+# each other's tagged row terms (smem.collect) with no bound, so they hang where partners cannot
+# get an SM (coop.py). More than one part a row is off until they join their row group first, as the split-row kernels do; the
+# split-row and looped kernels serve those rows (the cost is in docs/performance.md).
+IN_PARTS = False
 
 
 def smem_split_backward(M: int, N: int, dtype: torch.dtype, device: torch.device,
@@ -437,6 +442,8 @@ def smem_split_backward(M: int, N: int, dtype: torch.dtype, device: torch.device
     in-parts kernel still, ``part`` = its width)."""
     chunk, chunks, warps = SMEM_SPLIT_BWD
     K = triton.cdiv(N, chunk * chunks)
+    if K > 1 and not IN_PARTS:
+        return None
     # two rows of the part, x and dy; beside them the part of the weight (room for an fp32 one)
     cfg = _smem_config(M, 2 * chunks * chunk, dtype, device, chunk, warps, 2, chunks * chunk * 4)
     if cfg is None or K > sm_count(device):
@@ -450,11 +457,11 @@ def _smem_config(M: int, N: int, dtype: torch.dtype, device: torch.device, chunk
                  streams: int, held: int = 0, itemsizes: tuple = (2,)) -> LaunchConfig | None:  # fmt: skip
     """What :func:`smem_row`, :func:`smem_backward`, :func:`smem_split_backward` and
     :func:`smem_split_forward` share: None off a CUDA device of compute capability 8.0+
-    (``cp.async``), without Gluon (smem.AVAILABLE), for rows of an element size not in ``itemsizes``
+    (``cp.async``), without a working Gluon (compat.gluon_ok), for rows of an element size not in ``itemsizes``
     (16-bit by default), or where a row of ``streams`` tensors in CHUNK-element buffers does not fit
     one program's shared memory beside ``held`` bytes; else one program per SM (grid min(M, SMs)),
     ``split`` = buffers a row, ``prefetch``: one spare buffer (of each stream) where it fits."""
-    if device.type != "cuda" or dtype.itemsize not in itemsizes or not smem.AVAILABLE:
+    if device.type != "cuda" or dtype.itemsize not in itemsizes or not compat.gluon_ok(device):
         return None
     if torch.cuda.get_device_capability(device) < (8, 0):
         return None
@@ -563,6 +570,8 @@ def _in_parts(M: int, N: int, dtype: torch.dtype, device: torch.device, setting:
     chunk, chunks, warps, depth = setting
     width = chunk * chunks
     K = triton.cdiv(N, width)
+    if K > 1 and not IN_PARTS:
+        return None
     cfg = _smem_config(M, depth * width, dtype, device, chunk, warps, streams, width * held, (2, 4))
     if cfg is None or K > sm_count(device):
         return None

@@ -13,7 +13,8 @@ host time showed up as GPU idle time in the backward cells. :func:`launch` keys 
 - the constexpr / launch keywords (``BLOCK_N=...``, ``num_warps=...``), and the current device.
 
 The first call with a new key goes through ``fn[grid]`` unchanged (compiling if needed), and so do
-all calls under the interpreter (``TRITON_INTERPRET=1``, where kernels are not ``JITFunction``s).
+all calls under the interpreter (``TRITON_INTERPRET=1``, where kernels are not ``JITFunction``s)
+and all calls where compat.py finds the compiled kernel's launcher missing or changed.
 Triton's launch hooks (profilers) are called with the same metadata as ``fn[grid]`` gives them;
 an empty hook chain (Triton's default) is skipped.
 
@@ -33,6 +34,8 @@ import os
 import torch
 import triton
 from triton.runtime.jit import JITFunction
+
+from normkit.backends.cuda import compat
 
 _I32 = range(-(2**31), 2**31)
 _CACHE: dict = {}  # key -> (compiled kernel, resolved trailing kernel arguments, the full key)
@@ -100,7 +103,7 @@ def launch(fn, grid: tuple, *args, key: tuple | None = None, **meta):
         kernel = fn[grid](*args, **meta)
         if len(_CACHE) >= CACHE_SIZE:
             _CACHE.clear()
-        if all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata")):
+        if compat.direct_launch_ok(kernel):
             full = full or (fn, device, _spec(args), tuple(meta.items()))
             _CACHE[key] = kernel, _tail(fn, len(args), meta), full
         return None
@@ -125,8 +128,13 @@ def _run(cached, g: tuple, device: int, args) -> None:
     runtime = triton.knobs.runtime  # launch hooks (profilers) are called as Triton calls them
     enter, leave = _active(runtime.launch_enter_hook), _active(runtime.launch_exit_hook)
     metadata = None if enter is None and leave is None else kernel.launch_metadata(g, stream, *args, *tail)
-    kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, metadata, enter, leave,
-               *args, *tail)
+    try:
+        kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, metadata, enter, leave,
+                   *args, *tail)
+    except TypeError as e:  # the launcher's signature changed (a Triton release): launch as Triton does
+        fn, _, _, meta = cached[2]
+        compat.disable("direct launch", f"CompiledKernel.run raised TypeError: {e}")
+        fn[g[:3]](*args, **dict(meta))
 
 
 class Bound:

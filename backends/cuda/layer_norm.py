@@ -47,7 +47,7 @@ from normkit.backends.common import (
 )
 from normkit.backends.cuda import config, coop, reduce, smem
 from normkit.backends.cuda.launch import Bound, int_spec, launch, tensor_spec
-from normkit.backends.cuda.coop import arrive, load_chunk, wait
+from normkit.backends.cuda.coop import arrive, join, load_chunk, wait
 from normkit.backends.cuda.smem import cp, gl
 from normkit.backends.row_norm_contract import row_norm_contract
 
@@ -295,6 +295,20 @@ def _fwd_split_publish(x, r, X, R, H, row, stride_x, stride_r, stride_h, Part, C
 
 
 @triton.jit
+def _fwd_split_solo(X, R, H, row, stride_x, stride_r, stride_h, Part, Count, K, N, M, seed, p, scale,
+                    CHUNK: tl.constexpr, KP: tl.constexpr, IS_RMS: tl.constexpr, ADD: tl.constexpr,
+                    HAS_R: tl.constexpr, DROPOUT: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
+    """A solo program's stand-in for the row wait (coop.join): publish every chunk of ``row``
+    itself, as the K partners would (the same values, h included)."""
+    for j in range(K):
+        cols = j * CHUNK + tl.arange(0, CHUNK)
+        mask = cols < N
+        x, r = _fwd_split_load(X, R, row, stride_x, stride_r, cols, mask, M, ADD, HAS_R)
+        _fwd_split_publish(x, r, X, R, H, row, stride_x, stride_r, stride_h, Part, Count, j, cols, mask, N,
+                           seed, p, scale, CHUNK, KP, IS_RMS, ADD, HAS_R, DROPOUT, ACC)  # fmt: skip
+
+
+@triton.jit
 def _fwd_split_kernel(
     X,  # (M, N) input rows; row stride stride_x
     R,  # (M, N) residual rows (read when ADD and HAS_R)
@@ -309,7 +323,7 @@ def _fwd_split_kernel(
     stride_h,
     stride_y,
     Part,  # (M, 2, KP) ACC workspace: per-chunk (mean of x - shift, M2) (RMSNorm: sum of squares)
-    Count,  # (M,) int32, zeroed: the row barriers
+    Count,  # (2 M,) int32, zeroed: the row barriers, then the row groups' start words (coop.join)
     M,
     N,
     K,  # chunks per row; program pid holds chunk pid % K of the rows of group pid // K
@@ -329,10 +343,12 @@ def _fwd_split_kernel(
     DROPOUT: tl.constexpr,
     ACC: tl.constexpr,
     PREFETCH: tl.constexpr,  # chunk held through the barrier, the next row's chunk loaded early
+    SPIN: tl.constexpr,  # polls to wait for the row group to fill (coop.join)
 ):
     pid = tl.program_id(0)
     groups = tl.num_programs(0) // K
     k = pid % K
+    together = join(Count + M + pid // K, K, SPIN)
     cols = k * CHUNK + tl.arange(0, CHUNK)
     mask = cols < N
     ks = tl.arange(0, KP)
@@ -356,7 +372,11 @@ def _fwd_split_kernel(
         x = _fwd_split_publish(x, r, X, R, H, row, stride_x, stride_r, stride_h, Part, Count, k, cols,
                                mask, N, seed, p, scale, CHUNK, KP, IS_RMS, ADD, HAS_R, DROPOUT,
                                ACC)  # fmt: skip
-        wait(Count + row, K)
+        if together:
+            wait(Count + row, K)
+        else:
+            _fwd_split_solo(X, R, H, row, stride_x, stride_r, stride_h, Part, Count, K, N, M, seed, p, scale,
+                            CHUNK, KP, IS_RMS, ADD, HAS_R, DROPOUT, ACC)  # fmt: skip
         part = Part + r64 * (2 * KP)
         p1 = tl.load(part + ks, mask=ks < K, other=0.0, cache_modifier=".cg")
         if IS_RMS:
@@ -993,6 +1013,24 @@ def _bwd_split_publish(x, dy, w, row, Mean, Rstd, Part, Count, k, mask, KP: tl.c
 
 
 @triton.jit
+def _bwd_split_solo(X, DY, W, row, group, Mean, Rstd, Part, Count, K, N, M, WG, stride_x, stride_dy,
+                    CHUNK: tl.constexpr, KP: tl.constexpr, IS_RMS: tl.constexpr, HAS_W: tl.constexpr,
+                    ACC: tl.constexpr):  # fmt: skip
+    """A solo program's stand-in for the row wait (coop.join): publish every chunk's partial sums
+    of ``row`` itself, as the K partners would."""
+    for j in range(K):
+        cols = j * CHUNK + tl.arange(0, CHUNK)
+        mask = cols < N
+        x = load_chunk(X, row, stride_x, cols, mask, M, 0.0)
+        dy = load_chunk(DY, row, stride_dy, cols, mask, M, 0.0)
+        if HAS_W:
+            w = tl.load(W + (group % WG) * N + cols, mask=mask, other=0.0)
+        else:
+            w = 1.0
+        _bwd_split_publish(x, dy, w, row, Mean, Rstd, Part, Count, j, mask, KP, IS_RMS, HAS_W, ACC)
+
+
+@triton.jit
 def _bwd_split_kernel(
     X,  # (M, N) forward input rows (h for the add-norm); row stride stride_x
     DY,  # (M, N) output gradient rows; row stride stride_dy
@@ -1003,7 +1041,7 @@ def _bwd_split_kernel(
     Mean,  # (M,) forward row means (unread when IS_RMS)
     Rstd,  # (M,)
     Part,  # (M, 2, KP) ACC workspace: per-chunk sums of xhat * w * dy and of w * dy
-    Count,  # (M,) int32, zeroed: the row barriers
+    Count,  # (2 M,) int32, zeroed: the row barriers, then the row groups' start words (coop.join)
     DW_part,  # (G, N) out, ACC: row g = row group g's sum of dy * xhat (written when HAS_W)
     DB_part,  # (G, N) out, ACC: row g = row group g's sum of dy (written when HAS_DB)
     stride_x,
@@ -1028,11 +1066,13 @@ def _bwd_split_kernel(
     DROPOUT: tl.constexpr,
     ACC: tl.constexpr,
     PREFETCH: tl.constexpr,  # pipelined: the next row's partials published before this row's wait
+    SPIN: tl.constexpr,  # polls to wait for the row group to fill (coop.join)
 ):
     pid = tl.program_id(0)
     groups = tl.num_programs(0) // K
     group = pid // K
     k = pid % K
+    together = join(Count + M + group, K, SPIN)
     cols = k * CHUNK + tl.arange(0, CHUNK)
     mask = cols < N
     if HAS_W:
@@ -1067,7 +1107,11 @@ def _bwd_split_kernel(
             x = load_chunk(X, row, stride_x, cols, mask, M, 0.0)
             dy = load_chunk(DY, row, stride_dy, cols, mask, M, 0.0)
             _bwd_split_publish(x, dy, w, row, Mean, Rstd, Part, Count, k, mask, KP, IS_RMS, HAS_W, ACC)
-        wait(Count + row, K)
+        if together:
+            wait(Count + row, K)
+        else:
+            _bwd_split_solo(X, DY, W, row, group, Mean, Rstd, Part, Count, K, N, M, WG, stride_x, stride_dy,
+                            CHUNK, KP, IS_RMS, HAS_W, ACC)  # fmt: skip
         x = x.to(ACC)
         dy = dy.to(ACC)
         rstd = tl.load(Rstd + row)

@@ -18,10 +18,9 @@ each, that exchange their parts' row terms as tagged words (:func:`publish`, :fu
 :func:`open_parts` streams a part several rows deep; perf-notes v26, v27).
 
 Plain Triton cannot place a tensor in shared memory, so these kernels are written in Gluon
-(``triton.experimental.gluon``), Triton's lower-level dialect. Gluon's API is still changing:
-the kernels are written against Triton 3.6 (measured there); :data:`AVAILABLE` is false where
-``gluon`` or the ``cp.async`` call they use is missing (``async_copy_global_to_shared``, renamed
-in later releases), and ``config`` then never chooses them. Gluon kernels do not run under
+(``triton.experimental.gluon``), Triton's lower-level dialect. Gluon's API is still changing: the
+names that differ between releases come from compat.py, and ``config`` chooses these kernels only
+where ``compat.gluon_ok`` says Gluon compiles and runs on the device (else the plain kernels serve). Gluon kernels do not run under
 Triton's interpreter: ``config`` chooses them for CUDA tensors only, so CI's interpreter suite
 never launches them and the GPU suite (``pytest -m cuda``) is what tests them.
 """
@@ -31,18 +30,11 @@ from __future__ import annotations
 import torch
 import triton
 
-try:  # not at all on triton-ascend and Triton < 3.4; a renamed API in later releases
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from normkit.backends.cuda.compat import async_copy, barrier, cp, gl, gluon
 
-    # global -> shared cp.async: async_copy_global_to_shared in Triton 3.6, async_load from 3.7 on
-    # (the old name stays as a stub that raises); same arguments as used here
-    async_copy = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
-    AVAILABLE = True
-except ImportError:  # pragma: no cover - depends on the installed Triton
-    gluon = gl = cp = async_copy = None
-    AVAILABLE = False
+# Gluon is importable with the names the kernels use (compat.py); whether it compiles and runs on a
+# device is compat.gluon_ok's probe, which config asks before choosing these kernels.
+AVAILABLE = gluon is not None and async_copy is not None and barrier is not None
 
 
 def jit(fn):
@@ -251,7 +243,7 @@ def release(Done, Terms, words, count, layout: gl.constexpr):
     ``Terms`` (a row group's): count this program done at ``Done`` (an int64 word, zero between
     launches); the last to arrive (every partner's reads of the words over) zeroes them and
     ``Done`` for the next launch."""
-    gl.thread_barrier()  # every thread's loads of the words are done before the release
+    barrier()  # every thread's loads of the words are done before the release
     last = gl.atomic_add(Done, 1, sem="acq_rel", scope="gpu") == count - 1
     if last:
         BLOCK: gl.constexpr = gl.num_warps() * 32

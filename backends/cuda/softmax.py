@@ -20,7 +20,7 @@ import triton.language as tl
 from normkit.backends.common import as_col, online_max_sum
 from normkit.backends.cuda import config, coop, smem
 from normkit.backends.cuda.launch import Bound, launch, tensor_spec
-from normkit.backends.cuda.coop import arrive, load_chunk, wait
+from normkit.backends.cuda.coop import arrive, join, load_chunk, wait
 from normkit.backends.cuda.smem import cp, gl
 
 
@@ -107,13 +107,25 @@ def _fwd_split_publish(x, row, Part, Count, k, KP: tl.constexpr, ACC: tl.constex
 
 
 @triton.jit
+def _fwd_split_solo(X, row, stride_x, Part, Count, K, N, M, CHUNK: tl.constexpr, KP: tl.constexpr,
+                    ACC: tl.constexpr):  # fmt: skip
+    """A solo program's stand-in for the row wait (coop.join): publish every chunk's max and sum
+    of ``row`` itself, as the K partners would."""
+    for j in range(K):
+        cols = j * CHUNK + tl.arange(0, CHUNK)
+        mask = cols < N
+        x = load_chunk(X, row, stride_x, cols, mask, M, float("-inf"))
+        _fwd_split_publish(x, row, Part, Count, j, KP, ACC)
+
+
+@triton.jit
 def _fwd_split_kernel(
     X,  # (M, N) input rows; row stride stride_x
     Y,  # (M, N) out; row stride stride_y
     stride_x,
     stride_y,
     Part,  # (M, 2, KP) ACC workspace: per-chunk max and sum of exp(x - max)
-    Count,  # (M,) int32, zeroed: the row barriers
+    Count,  # (2 M,) int32, zeroed: the row barriers, then the row groups' start words (coop.join)
     M,
     N,
     K,  # chunks per row; program pid holds chunk pid % K of the rows of group pid // K
@@ -122,10 +134,12 @@ def _fwd_split_kernel(
     LOG: tl.constexpr,
     ACC: tl.constexpr,
     PREFETCH: tl.constexpr,  # chunk held through the barrier, the next row's chunk loaded early
+    SPIN: tl.constexpr,  # polls to wait for the row group to fill (coop.join)
 ):
     pid = tl.program_id(0)
     groups = tl.num_programs(0) // K
     k = pid % K
+    together = join(Count + M + pid // K, K, SPIN)
     cols = k * CHUNK + tl.arange(0, CHUNK)
     mask = cols < N
     ks = tl.arange(0, KP)
@@ -142,7 +156,10 @@ def _fwd_split_kernel(
         else:
             x = load_chunk(X, row, stride_x, cols, mask, M, float("-inf"))
         x = _fwd_split_publish(x, row, Part, Count, k, KP, ACC)
-        wait(Count + row, K)
+        if together:
+            wait(Count + row, K)
+        else:
+            _fwd_split_solo(X, row, stride_x, Part, Count, K, N, M, CHUNK, KP, ACC)
         part = Part + r64 * (2 * KP)
         ms = tl.load(part + ks, mask=ks < K, other=float("-inf"), cache_modifier=".cg")
         ss = tl.load(part + KP + ks, mask=ks < K, other=0.0, cache_modifier=".cg")
@@ -436,6 +453,19 @@ def _bwd_split_publish(dy, y, row, Part, Count, k, KP: tl.constexpr, LOG: tl.con
 
 
 @triton.jit
+def _bwd_split_solo(DY, Y, row, stride_dy, stride_y, Part, Count, K, N, M, CHUNK: tl.constexpr,
+                    KP: tl.constexpr, LOG: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
+    """A solo program's stand-in for the row wait (coop.join): publish every chunk's partial sum
+    of ``row`` itself, as the K partners would."""
+    for j in range(K):
+        cols = j * CHUNK + tl.arange(0, CHUNK)
+        mask = cols < N
+        dy = load_chunk(DY, row, stride_dy, cols, mask, M, 0.0)
+        y = load_chunk(Y, row, stride_y, cols, mask, M, 0.0)
+        _bwd_split_publish(dy, y, row, Part, Count, j, KP, LOG, ACC)
+
+
+@triton.jit
 def _bwd_split_kernel(
     DY,  # (M, N) output gradient rows; row stride stride_dy
     Y,  # (M, N) forward output rows; row stride stride_y
@@ -444,7 +474,7 @@ def _bwd_split_kernel(
     stride_y,
     stride_dx,
     Part,  # (M, 1, KP) ACC workspace: per-chunk sum of dy * y (log_softmax: of dy)
-    Count,  # (M,) int32, zeroed: the row barriers
+    Count,  # (2 M,) int32, zeroed: the row barriers, then the row groups' start words (coop.join)
     M,
     N,
     K,
@@ -453,10 +483,12 @@ def _bwd_split_kernel(
     LOG: tl.constexpr,
     ACC: tl.constexpr,
     PREFETCH: tl.constexpr,  # pipelined: the next row's partial published before this row's wait
+    SPIN: tl.constexpr,  # polls to wait for the row group to fill (coop.join)
 ):
     pid = tl.program_id(0)
     groups = tl.num_programs(0) // K
     k = pid % K
+    together = join(Count + M + pid // K, K, SPIN)
     cols = k * CHUNK + tl.arange(0, CHUNK)
     mask = cols < N
     ks = tl.arange(0, KP)
@@ -479,7 +511,10 @@ def _bwd_split_kernel(
             dy = load_chunk(DY, row, stride_dy, cols, mask, M, 0.0)
             y = load_chunk(Y, row, stride_y, cols, mask, M, 0.0)
             _bwd_split_publish(dy, y, row, Part, Count, k, KP, LOG, ACC)
-        wait(Count + row, K)
+        if together:
+            wait(Count + row, K)
+        else:
+            _bwd_split_solo(DY, Y, row, stride_dy, stride_y, Part, Count, K, N, M, CHUNK, KP, LOG, ACC)
         dy = dy.to(ACC)
         y = y.to(ACC)
         part = Part + r64 * KP

@@ -101,12 +101,12 @@ def gluon_ok(device: torch.device) -> bool:
 
 
 def _probe(index: int) -> bool:
-    x = torch.arange(256, dtype=torch.float16, device=f"cuda:{index}")
+    x = torch.arange(1024, dtype=torch.float16, device=f"cuda:{index}")
     y = torch.full_like(x, float("nan"))
     count = torch.zeros(1, dtype=torch.int32, device=x.device)
     try:
         with torch.cuda.device(index):
-            _probe_kernel[(1,)](x, y, count, 256, num_warps=4)
+            _probe_kernel[(1,)](x, y, count, 1024, num_warps=4)
             torch.cuda.synchronize(index)
     except Exception as e:  # any failure of the compile or launch means: not on this Triton
         disable("gluon", f"its probe kernel failed to compile or run on triton {triton.__version__}: "
@@ -127,7 +127,7 @@ def _probe_kernel(X, Y, Count, N: gl.constexpr):
     """Each Gluon construct the shared-memory kernels use: an unswizzled [2, N] buffer filled by
     ``cp.async`` (commit, wait), read back in the copy's layout, the CTA barrier, a release/acquire
     atomic, a volatile load, a static_range loop and a reduction; y = 2 x."""
-    layout: gl.constexpr = gl.BlockedLayout([2], [32], [gl.num_warps()], [0])
+    layout: gl.constexpr = gl.BlockedLayout([8], [32], [gl.num_warps()], [0])  # 16-byte copies
     unswizzled: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     buf = gl.allocate_shared_memory(X.dtype.element_ty, [2, N], unswizzled)
     offs = gl.arange(0, N, layout=layout)

@@ -35,7 +35,7 @@ import triton.language as tl
 # launch start within microseconds of each other on free SMs; a poll is an L2 round trip (~0.5 us):
 # 4096 polls is ~2 ms, paid once a program and only where partners did not start.
 SPIN = 4096
-_CLOSED = 1 << 30  # a closed group's start word (joins after it only add to it)
+_CLOSED = tl.constexpr(1 << 30)  # a closed group's start word (joins after it only add to it)
 
 
 @triton.jit

@@ -57,3 +57,16 @@ def run_on():
         return ex.activate()
 
     return activate
+
+
+@pytest.fixture
+def in_parts(monkeypatch):
+    """Rows (BatchNorm: channels) in parts chosen again where they fit (``config.IN_PARTS``, off
+    by default: their programs wait on each other with no bound), so their tests still test them."""
+    from normkit.backends.cuda import config
+
+    monkeypatch.setattr(config, "IN_PARTS", True)
+    config.clear_caches()
+    yield
+    monkeypatch.undo()
+    config.clear_caches()

@@ -51,6 +51,7 @@ def test_variants(run_on, executor, shape, variant, op):
                                       ("add_rms_norm", (133, 32768)), ("add_layer_norm", (33, 24576)),
                                       ("add_rms_norm", (9, 65536))], ids=str)  # fmt: skip
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.usefixtures("in_parts")
 def test_backward_rows_in_shared_memory(run_on, op, shape, dtype):
     """16-bit rows the shared-memory backward takes (config.SMEM_BWD, and rows in parts past it:
     SMEM_SPLIT_BWD, and for the add-LayerNorm with a residual past 8192; asserted): h's own
@@ -74,6 +75,7 @@ def test_backward_rows_in_shared_memory(run_on, op, shape, dtype):
                                       ("add_rms_norm", (3, 140000)), ("add_rms_norm", (67, 131072))],
                          ids=str)  # fmt: skip
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.usefixtures("in_parts")
 def test_forward_rows_in_parts(run_on, op, shape, dtype):
     """Rows the forward shares among K programs (config.SMEM_SPLIT_FWD, fp32 SMEM_SPLIT_FWD_FP32;
     asserted), each streaming its part of x and of the residual: h stored and y match fp64, with and

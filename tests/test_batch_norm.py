@@ -84,6 +84,7 @@ PARTS_SHAPES = [(32, 64, 28, 28), (8, 24, 64, 64), (3, 40, 16, 16), (128, 12, 12
 @pytest.mark.parametrize("mean", [0.0, 300.0])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", PARTS_SHAPES, ids=str)
+@pytest.mark.usefixtures("in_parts")
 def test_batch_norm_channels_in_parts(run_on, shape, dtype, mean):
     """The in-parts forward and backward are chosen (asserted); y, the running statistics and the
     gradients match fp64, also about a large mean, in eval mode (the backward alone in parts) and

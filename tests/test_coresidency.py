@@ -10,6 +10,10 @@ softmax with 8 SMs free). Each op's split path is asserted to be the one the con
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
+import tempfile
 import time
 
 import pytest
@@ -35,15 +39,31 @@ def _hog_kernel():
         tl.store(Sm + pid, sm)
         tl.atomic_add(Started, 1, sem="release", scope="gpu")
         acc = tl.arange(0, BLOCK).to(tl.float32)
+        acc2 = acc + 1.0  # two BLOCK-wide accumulators: 64 values a thread, the whole register file
         while tl.atomic_add(Flag, 0, sem="acquire", scope="gpu") == 0:
-            acc = acc * 0.999 + 1.0
-        tl.store(Out + pid * BLOCK + tl.arange(0, BLOCK), acc)
+            acc = acc * 0.999 + acc2
+            acc2 = acc2 * 0.998 + acc
+        tl.store(Out + pid * BLOCK + tl.arange(0, BLOCK), acc + acc2)
 
     return hog
 
 
+@contextlib.contextmanager
+def _alone():
+    """One held-SMs test at a time across pytest-xdist workers (two hogs would hold each other's
+    ops), and no other worker's kernels in between: a GPU-wide lock file."""
+    path = os.path.join(tempfile.gettempdir(), "normkit-gpu-big-memory.lock")  # test_gpu_hardening's
+    with open(path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 class Hog:
-    """Run the hog on its own stream over all but ``free`` SMs; release it on exit."""
+    """Run the hog on its own stream over all but ``free`` SMs; release it on exit (also when it did
+    not start)."""
 
     def __init__(self, free: int):
         self.sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -53,17 +73,19 @@ class Hog:
         self.flag = torch.zeros(1, dtype=torch.int32, device="cuda")
         self.started = torch.zeros(1, dtype=torch.int32, device="cuda")
         self.sm = torch.full((self.programs,), -1, dtype=torch.int32, device="cuda")
-        self.out = torch.empty(self.programs * 48 * 1024, device="cuda")
+        self.out = torch.empty(self.programs * 32768, device="cuda")
         self.kernel = _hog_kernel()
 
     def __enter__(self):
         torch.cuda.synchronize()
         with torch.cuda.stream(self.stream):
-            self.kernel[(self.programs,)](self.flag, self.started, self.sm, self.out, BLOCK=48 * 1024,
+            self.kernel[(self.programs,)](self.flag, self.started, self.sm, self.out, BLOCK=32768,
                                           num_warps=32)  # fmt: skip
         deadline = time.monotonic() + 10
         while self._read(self.started) < self.programs:
-            assert time.monotonic() < deadline, "the hog did not start on all its SMs"
+            if time.monotonic() > deadline:
+                self.__exit__()
+                pytest.fail("the hog did not start on all its SMs within 10 s")
             time.sleep(0.01)
         self.held = len(set(self._read(self.sm, all=True)))
         return self
@@ -90,7 +112,7 @@ def _run_held(fn):
     """Run ``fn`` on its own stream while the hog holds all but FREE_SMS SMs, then set the hog's
     flag on that stream after it (so a kernel of ``fn`` that never finishes holds the hog too).
     Returns fn's result; fails if it has not finished within TIMEOUT_S."""
-    with Hog(FREE_SMS) as hog:
+    with _alone(), Hog(FREE_SMS) as hog:
         assert hog.held >= hog.sms - 2 * FREE_SMS, f"the hog holds only {hog.held} of {hog.sms} SMs"
         op_stream = torch.cuda.Stream()
         with torch.cuda.stream(op_stream):

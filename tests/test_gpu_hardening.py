@@ -755,6 +755,7 @@ PLAN_SHAPES = [((1, 4096), 1), ((3, 1000), 1), ((128, 8192), 1), ((2, 5, 64), 2)
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.usefixtures("in_parts")
 def test_split_rows_have_plans(run_on, dtype):
     """The split-row kernels (and, for aligned 16-bit rows, the shared-memory forward) serve plans
     (inference and training) for the long rows of PLAN_SHAPES,

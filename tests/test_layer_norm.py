@@ -310,6 +310,7 @@ SMEM_BWD_CASES = [  # (op, shape, weight, bias, rows in parts: config.SMEM_SPLIT
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("op,shape,weight,bias,parted", SMEM_BWD_CASES, ids=str)
+@pytest.mark.usefixtures("in_parts")
 def test_backward_rows_in_shared_memory(run_on, op, shape, weight, bias, parted, dtype):
     """The shared-memory backward (chosen for these cases, asserted; with rows in parts where said:
     K programs a row exchanging tagged row terms) matches fp64 in dx, dweight and dbias, twice over
@@ -349,6 +350,7 @@ FWD_PARTS_CASES = [
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("op,shape,weight,bias", FWD_PARTS_CASES, ids=str)
+@pytest.mark.usefixtures("in_parts")
 def test_forward_rows_in_parts(run_on, op, shape, weight, bias, dtype):
     """Rows past one program's shared memory in the forward (K programs a row, each holding its
     part and its part of the weight and bias, exchanging tagged row terms; chosen, asserted; parts
@@ -399,6 +401,7 @@ def test_term_slots_below_the_safe_minimum_are_refused():
 @pytest.mark.cuda
 @pytest.mark.parametrize("op,shape", [("layer_norm", (3, 131072)), ("rms_norm", (2, 262144)),
                                       ("layer_norm", (300, 131072))], ids=str)  # fmt: skip
+@pytest.mark.usefixtures("in_parts")
 def test_rows_in_parts_workspace_left_clean(run_on, op, shape):
     """The rows in parts' tagged-term workspace is kept per stream, and each launch leaves it zeroed
     (smem.release): calls of one shape in a row with fresh inputs (with M this small, every row's
@@ -445,6 +448,7 @@ def test_rows_in_parts_workspace_left_clean(run_on, op, shape):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("shape", [(8, 131072), (3, 200000), (5, 40000)], ids=str)
+@pytest.mark.usefixtures("in_parts")
 def test_forward_rows_in_parts_variance_survives_large_mean(run_on, shape, dtype):
     """x = 1000 + randn through the forward in parts (Chan's merge of each thread's, the part's and
     the parts' means and squared deviations; fp32 rows in parts from 32769, 16-bit from 65537):

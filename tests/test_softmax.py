@@ -177,6 +177,7 @@ def test_parts_mask_covers_every_chunk_past_a_part():
 @pytest.mark.cuda
 @pytest.mark.parametrize("op", SOFTMAX_OPS)
 @pytest.mark.parametrize("shape,dtype", PARTS_CASES, ids=str)
+@pytest.mark.usefixtures("in_parts")
 def test_rows_in_parts(run_on, shape, dtype, op):
     """The forward in parts (chosen for these shapes, asserted) matches fp64 (:func:`_check_rows_in_smem`),
     also on rows of 1000 + 3 randn (the exponent formed as x - max, exact, not x * log2(e) less the
@@ -226,6 +227,7 @@ def test_backward_looped_rows(run_on, shape, dtype, op):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("op", SOFTMAX_OPS)
+@pytest.mark.usefixtures("in_parts")
 def test_rows_in_parts_workspace_left_clean(run_on, op):
     """The forward in parts' tagged-term workspace is left zeroed by each launch (as the row norms',
     test_layer_norm): calls in a row with fresh inputs (3 rows: every row's terms of the call before

@@ -21,4 +21,6 @@ pytest -m npu -q -rs | tail -3
 
 # Last, so the log ends with the suite's own summary line (N passed, M skipped).
 echo "== README quick start 2: test extra + tests (-v added so the log lists each test)"
-pip install -q torch==2.13.0 -e ".[cuda,test]" && pytest -v
+pip install -q torch==2.13.0 -e ".[cuda,test]"
+python -c 'import torch, triton, numpy; print("torch", torch.__version__, "triton", triton.__version__, "numpy", numpy.__version__)'
+pytest -v

@@ -1,16 +1,24 @@
 #!/usr/bin/env bash
 # The GPU suite: run on a CUDA machine (the device tool) from the repository root.
-#   bash ci/gpu-suite.sh            tests (pytest -m cuda) + a side-by-side benchmark
-# Logs go to $OUT (or ./gpu-out). The machine's own torch/triton are used (--no-deps).
+#   bash ci/gpu-suite.sh            pytest -m cuda, then `normkit bench --quick` (normkit, torch)
+# Uses whichever triton imports: PYTHONPATH may point at another release unpacked from
+# ../shared/tools/triton-for-device.sh (docs/backends.md, "Triton versions"). Logs go to $OUT (or
+# ./gpu-out), named after the Triton version. PYTEST_ARGS narrows the suite (default: tests);
+# PYTEST_TIMEOUT (s) interrupts it with SIGINT, so the summary of what ran is still printed;
+# BENCH=0 skips the benchmark. The machine's own torch is used (--no-deps).
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/machine.txt"
-python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/machine.txt"
-python3 -m pytest -m cuda -q -n 8 -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest-cuda.log" | tail -25
-status=${PIPESTATUS[0]}
+python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
+tag=$(python3 -c 'import triton; print(triton.__version__)')
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, triton.__file__)'
+} | tee "$OUT/$tag-machine.txt"
+timeout -s INT "${PYTEST_TIMEOUT:-3600}" python3 -m pytest -m cuda -q -n "${WORKERS:-16}" -p no:cacheprovider \
+  --tb=line -rf ${PYTEST_ARGS:-tests} > "$OUT/$tag-pytest.log" 2>&1
+status=$?
+grep -E "^FAILED|passed|failed" "$OUT/$tag-pytest.log" | tail -40
 if [ "${BENCH:-1}" = 1 ]; then
-  python3 -m normkit bench --suite sweep --n "${BENCH_N:-4096}" --dtypes bfloat16 2>&1 | tee "$OUT/bench.txt"
+  python3 -m normkit bench --quick --impls normkit,torch 2>&1 | tee "$OUT/$tag-bench-quick.txt" | tail -30
 fi
 exit "$status"

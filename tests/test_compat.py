@@ -1,0 +1,131 @@
+"""The Triton-release adapter (backends/cuda/compat.py): the names the Gluon kernels use resolve on the
+installed Triton, its probe kernel compiles for Hopper without a GPU (CI runs this on the lowest and
+the newest supported Triton), and each fast path falls back, once, with a warning and the same
+answers (GPU halves: marker `cuda`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from normkit.backends.cuda import compat, config, launch, smem
+from normkit.testing import Executor, check_case
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """compat's process state saved and restored around the test."""
+    monkeypatch.setattr(compat, "_DISABLED", {})
+    monkeypatch.setattr(compat, "_PROBED", {})
+    config.clear_caches()
+    yield
+    monkeypatch.undo()
+    config.clear_caches()
+
+
+def test_gluon_names_resolve():
+    """Every Gluon name the shared-memory kernels take from compat exists in this Triton (a rename
+    in a new release shows here, on CPU, before any GPU run)."""
+    assert compat._MISSING is None, compat._MISSING
+    assert compat.barrier is not None and compat.async_copy is not None
+    assert compat.async_copy.__name__ in ("async_load", "async_copy_global_to_shared")
+    assert compat.barrier.__name__ in ("barrier", "thread_barrier")
+    assert smem.AVAILABLE
+
+
+_PROBE_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from normkit.backends.cuda import compat
+aligned = [["tt.divisibility", 16]]
+src = GluonASTSource(compat._probe_kernel, {"X": "*fp16", "Y": "*fp16", "Count": "*i32"}, {"N": 1024},
+                     attrs={(0,): aligned, (1,): aligned})
+ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+print("cp.async" in ptx, "bar.sync" in ptx, "atom" in ptx)
+"""
+
+
+def test_probe_kernel_compiles_for_hopper():
+    """The probe kernel, which uses each Gluon construct of the kernels, compiles to PTX for sm_90
+    with this Triton's own compiler (no GPU needed; in a process without TRITON_INTERPRET, under
+    which Triton's own jitted helpers such as gl.sum are interpreter functions)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _PROBE_COMPILE], env=env, capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["True", "True", "True"], run.stdout
+
+
+def test_missing_gluon_disables_it_once_with_a_warning(fresh, monkeypatch):
+    """Without Gluon (or a name it needs) the shared-memory kernels are never chosen: one
+    FastPathWarning naming the path and the reason, then silence."""
+    monkeypatch.setattr(compat, "_MISSING", "triton 0.0 has no Gluon (test)")
+    with pytest.warns(compat.FastPathWarning, match=r"gluon fast path is off .*no Gluon \(test\)"):
+        assert not compat.gluon_ok(torch.device("cuda", 0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not compat.gluon_ok(torch.device("cuda", 0))
+    assert "no Gluon (test)" in compat.disabled("gluon")
+
+
+def test_disable_forgets_configs_and_compiled_kernels(fresh):
+    """Turning a path off clears the memoized launch configs and the direct-launch cache, so no
+    config chosen with the path survives."""
+    config.forward(8, 1024, torch.float32, torch.device("cpu"))
+    launch._CACHE[("sentinel",)] = None
+    assert config.forward.cache_info().currsize
+    with pytest.warns(compat.FastPathWarning):
+        compat.disable("gluon", "test")
+    assert config.forward.cache_info().currsize == 0 and not launch._CACHE
+
+
+# --- on a GPU ----------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gluon_fallback_matches_reference(run_on, fresh, dtype):
+    """With Gluon off, rows that take the shared-memory kernels take plain Triton ones and match
+    fp64, forward and backward."""
+    with run_on(Executor("cuda", "cuda"), dtype):
+        dev = torch.device("cuda")
+        assert config.forward(257, 40000, dtype, dev, smem_ok=True).smem
+        with pytest.warns(compat.FastPathWarning):
+            compat.disable("gluon", "test")
+        assert not config.forward(257, 40000, dtype, dev, smem_ok=True).smem
+        for op in ("layer_norm", "rms_norm", "softmax"):
+            check_case(op, (257, 40000), dtype=dtype, device="cuda", seed=3)
+
+
+class _ChangedLauncher:
+    """A compiled kernel whose launcher takes other arguments (a future Triton)."""
+
+    def __init__(self, kernel):
+        self._kernel = kernel
+
+    def __getattr__(self, name):
+        return getattr(self._kernel, name)
+
+    def run(self, *args):
+        raise TypeError("launch() takes 9 positional arguments")
+
+
+@pytest.mark.cuda
+def test_direct_launch_falls_back_on_a_changed_launcher(run_on, fresh):
+    """A compiled kernel whose launcher raises TypeError: the launch goes through ``fn[grid]``, one
+    warning, the same answers."""
+    with run_on(Executor("cuda", "cuda"), torch.float32):
+        check_case("layer_norm", (64, 1024), dtype=torch.float32, device="cuda", seed=1)  # fills the cache
+        assert launch._CACHE
+        for key, (kernel, tail, full) in list(launch._CACHE.items()):
+            launch._CACHE[key] = (_ChangedLauncher(kernel), tail, full)
+        with pytest.warns(compat.FastPathWarning, match="direct launch"):
+            check_case("layer_norm", (64, 1024), dtype=torch.float32, device="cuda", seed=2)
+        assert compat.disabled("direct launch")
+        check_case("layer_norm", (64, 1024), dtype=torch.float32, device="cuda", seed=3)

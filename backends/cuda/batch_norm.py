@@ -385,8 +385,9 @@ def _fwd_split_kernel(
 def _bwd_split_load(X, DY, c, C, HW, at, mask):
     """This program's chunk of x and dy of channel ``c`` (zeros past the last channel)."""
     base = tl.cast(c, tl.int64) * HW
-    x = tl.load(X + base + at, mask=mask & (c < C), other=0.0)
-    return x, tl.load(DY + base + at, mask=mask & (c < C), other=0.0)
+    inside = tl.where(c < C, mask, False)  # a select: see coop.load_chunk
+    x = tl.load(X + base + at, mask=inside, other=0.0)
+    return x, tl.load(DY + base + at, mask=inside, other=0.0)
 
 
 @triton.jit

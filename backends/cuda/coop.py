@@ -75,8 +75,10 @@ def wait(Count, K):
 @triton.jit
 def load_chunk(PTR, row, stride, cols, mask, M, other):
     """Row ``row``'s chunk ``cols`` of a (M, N) tensor in its dtype; ``other`` outside the mask or
-    past the last row (the prefetch of the row after a group's last)."""
-    return tl.load(PTR + tl.cast(row, tl.int64) * stride + cols, mask=mask & (row < M), other=other)
+    past the last row (the prefetch of the row after a group's last). The row test as a select, not
+    ``mask & (row < M)``: Triton 3.9's interpreter gives that an integer mask it cannot load with."""
+    inside = tl.where(row < M, mask, False)
+    return tl.load(PTR + tl.cast(row, tl.int64) * stride + cols, mask=inside, other=other)
 
 
 def workspace(M: int, parts: int, chunks: int, acc: torch.dtype, device):

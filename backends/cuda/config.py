@@ -845,7 +845,7 @@ def group_norm_split_forward(rows: int, L: int, G: int, dtype: torch.dtype, devi
     """GroupNorm forward of rows over the fused limit through the row norms' split forward (the
     LayerNorm setting of ``SPLIT_FWD``) over the ``rows`` = N * G rows of L = Cg * HW, or None (the
     looped kernel): fp32 / fp64 with a weight or bias (``affine``; measured slower, below), where
-    ``split_row`` cannot run (CPU, more chunks than co-resident programs) or fewer than G row groups
+    ``split_row`` finds no split (more chunks than programs that fit at once) or fewer than G row groups
     fit (row groups a multiple of G, as in the backward).
 
     H100, GPU time only, split vs looped (docs/bench/h100-2026-11-22-v22-gn/split-gpu.txt; 8x512x64x64,
@@ -904,9 +904,9 @@ def run_length(HW: int, dtype: torch.dtype) -> int:
 def batch_norm_split(N: int, C: int, HW: int, dtype: torch.dtype, device: torch.device, backward: bool,
                      ) -> LaunchConfig | None:  # fmt: skip
     """Split-channel launch (``split_row`` over C rows of N * HW values, with ``BATCH_NORM_SPLIT``),
-    or None where the two-pass kernels serve: CPU (the interpreter runs programs
-    one at a time, so a barrier never opens), HW < BATCH_NORM_SPLIT_MIN_HW, channels of 2^31 values
-    or more, or more chunks per channel than co-resident programs."""
+    or None where the two-pass kernels serve: HW < BATCH_NORM_SPLIT_MIN_HW, channels of 2^31 values
+    or more, or more chunks per channel than programs that fit at once (CPU tensors: the
+    interpreter's programs run solo, coop.join)."""
     L = N * HW
     if HW < BATCH_NORM_SPLIT_MIN_HW or not 0 < L < 2**31 - 2**20:
         return None

@@ -15,7 +15,8 @@ alignment):
   forward (the add-norms' too) from 65536-131072 columns (LayerNorm's part moments in one read,
   each thread's own merged with Chan's formula), the backward from 32768 (the add-LayerNorm
   backward that writes the residual's gradient from 8193, in one part up to 16384).
-- split rows (coop.py): co-resident programs share a row and exchange partial statistics.
+- split rows (coop.py): K programs share a row and exchange partial statistics; a row group that
+  does not fill at once (SMs held by others) runs solo instead of waiting (coop.join).
 - looped: rows longer than the register budget loop over column tiles. Forward: one program per
   row, a statistics sweep (Chan's merge of per-tile mean/M2) then a normalize sweep. Backward: a
   per-row sweep for the two dx reduction terms, then a (row chunk x column tile) grid computing dx

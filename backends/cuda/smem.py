@@ -13,7 +13,8 @@ buffer, also the first chunk of the row after it) are therefore in flight throug
 statistics and output, with no barrier between programs and no re-read from L2
 (docs/perf-notes.md v23, v24). The row-norm backward streams x and dy the same way, as a pair
 (:func:`open_pair`: one copy group a chunk of both), and keeps its dweight / dbias partials in
-registers (perf-notes v25). Rows longer than that are shared by K co-resident programs, one part
+registers (perf-notes v25). Rows longer than that can be shared by K programs (``config.IN_PARTS``, off:
+they wait on each other unbounded, coop.py), one part
 each, that exchange their parts' row terms as tagged words (:func:`publish`, :func:`collect`;
 :func:`open_parts` streams a part several rows deep; perf-notes v26, v27).
 

@@ -337,6 +337,11 @@ def _fwd_split_kernel(
     groups = tl.num_programs(0) // K
     k = pid % K
     together = join(Count + C + pid // K, K, SPIN)
+    # A solo program (its channel group did not fill: coop.join) publishes every chunk of its channels first,
+    # where little else is live, so the channel loop keeps its registers; the loop then never waits.
+    if together == 0:
+        for c in range(pid // K, C, groups):
+            _fwd_split_solo(X, c, L, C, HW, Part, Count, K, CHUNK, VEC, KP, ACC)
     at, mask = _chunk(k, L, HW, tl.cast(C, tl.int64) * HW, CHUNK, VEC)
     ks = tl.arange(0, KP)
     counts = tl.cast(tl.maximum(tl.minimum(L - ks * CHUNK, CHUNK), 0), ACC)  # values per chunk
@@ -352,8 +357,6 @@ def _fwd_split_kernel(
             _fwd_split_publish(X, c, HW, at, mask, inv_k, Part, Count, k, KP, ACC)
         if together:
             wait(Count + c, K)
-        else:
-            _fwd_split_solo(X, c, L, C, HW, Part, Count, K, CHUNK, VEC, KP, ACC)
         part = Part + tl.cast(c, tl.int64) * (2 * KP)
         p1 = tl.load(part + ks, mask=ks < K, other=0.0, cache_modifier=".cg")
         p2 = tl.load(part + KP + ks, mask=ks < K, other=0.0, cache_modifier=".cg")
@@ -448,6 +451,11 @@ def _bwd_split_kernel(
     inv_n = reciprocal(L, ACC)
     c0 = pid // K
     together = join(Count + C + c0, K, SPIN)
+    # A solo program (its channel group did not fill: coop.join) publishes every chunk of its channels first,
+    # where little else is live, so the channel loop keeps its registers; the loop then never waits.
+    if together == 0:
+        for c in range(c0, C, groups):
+            _bwd_split_solo(X, DY, c, Mean, Rstd, Part, Count, L, C, HW, K, CHUNK, VEC, KP, ACC)
     if PIPELINE:
         x_next, dy_next = _bwd_split_load(X, DY, c0, C, HW, at, mask)
         _bwd_split_publish(x_next, dy_next, c0, Mean, Rstd, Part, Count, k, mask, KP, ACC)
@@ -462,8 +470,6 @@ def _bwd_split_kernel(
             _bwd_split_publish(x, dy, c, Mean, Rstd, Part, Count, k, mask, KP, ACC)
         if together:
             wait(Count + c, K)
-        else:
-            _bwd_split_solo(X, DY, c, Mean, Rstd, Part, Count, L, C, HW, K, CHUNK, VEC, KP, ACC)
         part = Part + tl.cast(c, tl.int64) * (2 * KP)
         s_dyx = tl.sum(tl.load(part + ks, mask=ks < K, other=0.0, cache_modifier=".cg"), axis=0)
         s_dy = tl.sum(tl.load(part + KP + ks, mask=ks < K, other=0.0, cache_modifier=".cg"), axis=0)

@@ -350,6 +350,12 @@ def _fwd_split_kernel(
     groups = tl.num_programs(0) // K
     k = pid % K
     together = join(Count + M + pid // K, K, SPIN)
+    # A solo program (its row group did not fill: coop.join) publishes every chunk of its rows first,
+    # where little else is live, so the row loop keeps its registers; the loop then never waits.
+    if together == 0:
+        for row in range(pid // K, M, groups):
+            _fwd_split_solo(X, R, H, row, stride_x, stride_r, stride_h, Part, Count, K, N, M, seed, p, scale,
+                            CHUNK, KP, IS_RMS, ADD, HAS_R, DROPOUT, ACC)  # fmt: skip
     cols = k * CHUNK + tl.arange(0, CHUNK)
     mask = cols < N
     ks = tl.arange(0, KP)
@@ -375,9 +381,6 @@ def _fwd_split_kernel(
                                ACC)  # fmt: skip
         if together:
             wait(Count + row, K)
-        else:
-            _fwd_split_solo(X, R, H, row, stride_x, stride_r, stride_h, Part, Count, K, N, M, seed, p, scale,
-                            CHUNK, KP, IS_RMS, ADD, HAS_R, DROPOUT, ACC)  # fmt: skip
         part = Part + r64 * (2 * KP)
         p1 = tl.load(part + ks, mask=ks < K, other=0.0, cache_modifier=".cg")
         if IS_RMS:
@@ -1074,6 +1077,12 @@ def _bwd_split_kernel(
     group = pid // K
     k = pid % K
     together = join(Count + M + group, K, SPIN)
+    # A solo program (its row group did not fill: coop.join) publishes every chunk of its rows first,
+    # where little else is live, so the row loop keeps its registers; the loop then never waits.
+    if together == 0:
+        for row in range(group, M, groups):
+            _bwd_split_solo(X, DY, W, row, group, Mean, Rstd, Part, Count, K, N, M, WG, stride_x, stride_dy,
+                            CHUNK, KP, IS_RMS, HAS_W, ACC)  # fmt: skip
     cols = k * CHUNK + tl.arange(0, CHUNK)
     mask = cols < N
     if HAS_W:
@@ -1110,9 +1119,6 @@ def _bwd_split_kernel(
             _bwd_split_publish(x, dy, w, row, Mean, Rstd, Part, Count, k, mask, KP, IS_RMS, HAS_W, ACC)
         if together:
             wait(Count + row, K)
-        else:
-            _bwd_split_solo(X, DY, W, row, group, Mean, Rstd, Part, Count, K, N, M, WG, stride_x, stride_dy,
-                            CHUNK, KP, IS_RMS, HAS_W, ACC)  # fmt: skip
         x = x.to(ACC)
         dy = dy.to(ACC)
         rstd = tl.load(Rstd + row)

@@ -140,6 +140,11 @@ def _fwd_split_kernel(
     groups = tl.num_programs(0) // K
     k = pid % K
     together = join(Count + M + pid // K, K, SPIN)
+    # A solo program (its row group did not fill: coop.join) publishes every chunk of its rows first,
+    # where little else is live, so the row loop keeps its registers; the loop then never waits.
+    if together == 0:
+        for row in range(pid // K, M, groups):
+            _fwd_split_solo(X, row, stride_x, Part, Count, K, N, M, CHUNK, KP, ACC)
     cols = k * CHUNK + tl.arange(0, CHUNK)
     mask = cols < N
     ks = tl.arange(0, KP)
@@ -158,8 +163,6 @@ def _fwd_split_kernel(
         x = _fwd_split_publish(x, row, Part, Count, k, KP, ACC)
         if together:
             wait(Count + row, K)
-        else:
-            _fwd_split_solo(X, row, stride_x, Part, Count, K, N, M, CHUNK, KP, ACC)
         part = Part + r64 * (2 * KP)
         ms = tl.load(part + ks, mask=ks < K, other=float("-inf"), cache_modifier=".cg")
         ss = tl.load(part + KP + ks, mask=ks < K, other=0.0, cache_modifier=".cg")
@@ -489,6 +492,11 @@ def _bwd_split_kernel(
     groups = tl.num_programs(0) // K
     k = pid % K
     together = join(Count + M + pid // K, K, SPIN)
+    # A solo program (its row group did not fill: coop.join) publishes every chunk of its rows first,
+    # where little else is live, so the row loop keeps its registers; the loop then never waits.
+    if together == 0:
+        for row in range(pid // K, M, groups):
+            _bwd_split_solo(DY, Y, row, stride_dy, stride_y, Part, Count, K, N, M, CHUNK, KP, LOG, ACC)
     cols = k * CHUNK + tl.arange(0, CHUNK)
     mask = cols < N
     ks = tl.arange(0, KP)
@@ -513,8 +521,6 @@ def _bwd_split_kernel(
             _bwd_split_publish(dy, y, row, Part, Count, k, KP, LOG, ACC)
         if together:
             wait(Count + row, K)
-        else:
-            _bwd_split_solo(DY, Y, row, stride_dy, stride_y, Part, Count, K, N, M, CHUNK, KP, LOG, ACC)
         dy = dy.to(ACC)
         y = y.to(ACC)
         part = Part + r64 * KP

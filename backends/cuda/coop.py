@@ -14,9 +14,10 @@ program counts itself in at its group's start word and waits, at most ``SPIN`` p
 other K - 1. A program that is running stays resident until it exits, so a group whose K programs
 all joined waits only on running programs and always makes progress. A group that did not fill
 in time is closed (one compare-and-swap decides, so every member, early or late, sees the same
-outcome) and its programs run *solo*: each writes the partials of every chunk of its row itself
-(:func:`solo` callers; the same code and values a partner would write, so the merge, and the
-result, are bitwise the same) and never waits. Solo costs K reads of the row instead of one; it
+outcome) and its programs run *solo*: before its row loop, each writes the partials of every chunk
+of its rows itself (the kernels' ``_*_split_solo``: the same code and values a partner would write,
+so the merge, and the result, are bitwise the same), then runs the loop without waiting. (Inside
+the loop the solo branch kept the loop's registers live across it: ptxas spilled up to 288 B more.) Solo costs K reads of the row instead of one; it
 happens only when SMs are held by others (or under the interpreter, which runs programs one after
 another: CI runs the split kernels solo).
 

@@ -134,7 +134,7 @@ def _run_held(fn):
 def _grads(y, inputs, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
     dy = torch.randn(y.shape, device="cuda", dtype=y.dtype, generator=g)
-    return dy, torch.autograd.grad(y, inputs, dy)
+    return dy, torch.autograd.grad(y, inputs, dy, allow_unused=True)
 
 
 def _close(got, want, dtype, what):
@@ -156,7 +156,8 @@ def test_split_rows_finish_with_sms_held(op, dtype):
         pytest.skip("needs a CUDA GPU")
     from normkit.backends.cuda import config
 
-    M, N = 64, 262144 if dtype == torch.float32 else 131072
+    # 16 rows: solo programs each read their group's rows whole, on FREE_SMS SMs
+    M, N = 16, 262144 if dtype == torch.float32 else 131072
     dev = torch.device("cuda")
     kind = {"add_layer_norm": "add_norm"}.get(op, op)
     fwd = config.softmax(M, N, dtype, dev) if op == "softmax" else config.forward(M, N, dtype, dev, kind)
@@ -183,7 +184,7 @@ def test_split_rows_finish_with_sms_held(op, dtype):
     got_dy, got_g = _run_held(lambda: _grads(got_y, leaves[:2], 1))
     ref = [t.detach().double().requires_grad_() for t in (x, w, b, r)]
     want_y = run(F, *ref)
-    want_g = torch.autograd.grad(want_y, ref[:2], got_dy.double())
+    want_g = torch.autograd.grad(want_y, ref[:2], got_dy.double(), allow_unused=True)
     _close(got_y, want_y, dtype, f"{op} y")
     for name, a, e in zip(("dx", "dweight"), got_g, want_g):
         if op == "softmax" and name == "dweight":

@@ -125,7 +125,8 @@ def _run_held(fn):
             if time.monotonic() > deadline:
                 hog.release()
                 op_stream.synchronize()
-                pytest.fail(f"the op did not finish within {TIMEOUT_S:.0f} s with {hog.sms - hog.held} SMs free")
+                free = hog.sms - hog.held
+                pytest.fail(f"the op did not finish within {TIMEOUT_S:.0f} s with {free} SMs free")
             time.sleep(0.005)
     torch.cuda.synchronize()
     return out

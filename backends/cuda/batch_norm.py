@@ -287,7 +287,7 @@ def _fwd_split_publish(X, c, HW, at, mask, inv_k, Part, Count, k, KP: tl.constex
 @triton.jit
 def _fwd_split_solo(X, c, L, C, HW, Part, Count, K, CHUNK: tl.constexpr, VEC: tl.constexpr, KP: tl.constexpr,
                     ACC: tl.constexpr):  # fmt: skip
-    """A solo program's stand-in for the channel wait (coop.join): publish every chunk of channel
+    """What a solo program (coop.join) does for ``c`` before its channel loop: publish every chunk of channel
     ``c`` itself, as the K partners would (the same offsets, counts and code: the same bits)."""
     for j in range(K):
         at, mask = _chunk(j, L, HW, tl.cast(C, tl.int64) * HW, CHUNK, VEC)
@@ -337,8 +337,8 @@ def _fwd_split_kernel(
     groups = tl.num_programs(0) // K
     k = pid % K
     together = join(Count + C + pid // K, K, SPIN)
-    # A solo program (its channel group did not fill: coop.join) publishes every chunk of its channels first,
-    # where little else is live, so the channel loop keeps its registers; the loop then never waits.
+    # A solo program (its channel group did not fill: coop.join) publishes every chunk of its
+    # channels first, where little else is live, so the channel loop keeps its registers.
     if together == 0:
         for c in range(pid // K, C, groups):
             _fwd_split_solo(X, c, L, C, HW, Part, Count, K, CHUNK, VEC, KP, ACC)
@@ -407,7 +407,7 @@ def _bwd_split_publish(x, dy, c, Mean, Rstd, Part, Count, k, mask, KP: tl.conste
 @triton.jit
 def _bwd_split_solo(X, DY, c, Mean, Rstd, Part, Count, L, C, HW, K, CHUNK: tl.constexpr, VEC: tl.constexpr,
                     KP: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
-    """A solo program's stand-in for the channel wait (coop.join): publish every chunk's sums of
+    """What a solo program (coop.join) does for ``c`` before its channel loop: publish every chunk's sums of
     channel ``c`` itself, as the K partners would."""
     for j in range(K):
         at, mask = _chunk(j, L, HW, tl.cast(C, tl.int64) * HW, CHUNK, VEC)
@@ -451,8 +451,8 @@ def _bwd_split_kernel(
     inv_n = reciprocal(L, ACC)
     c0 = pid // K
     together = join(Count + C + c0, K, SPIN)
-    # A solo program (its channel group did not fill: coop.join) publishes every chunk of its channels first,
-    # where little else is live, so the channel loop keeps its registers; the loop then never waits.
+    # A solo program (its channel group did not fill: coop.join) publishes every chunk of its
+    # channels first, where little else is live, so the channel loop keeps its registers.
     if together == 0:
         for c in range(c0, C, groups):
             _bwd_split_solo(X, DY, c, Mean, Rstd, Part, Count, L, C, HW, K, CHUNK, VEC, KP, ACC)

@@ -109,8 +109,9 @@ def _probe(index: int) -> bool:
             _probe_kernel[(1,)](x, y, count, 1024, num_warps=4)
             torch.cuda.synchronize(index)
     except Exception as e:  # any failure of the compile or launch means: not on this Triton
+        last = str(e).strip().splitlines()[-1][:200] if str(e).strip() else ""
         disable("gluon", f"its probe kernel failed to compile or run on triton {triton.__version__}: "
-                         f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:200] if str(e).strip() else ''}")  # fmt: skip
+                         f"{type(e).__name__}: {last}")  # fmt: skip
         return False
     if not (torch.equal(y, 2 * x) and int(count) == 1):
         disable("gluon", f"its probe kernel gave a wrong result on triton {triton.__version__}")

@@ -428,8 +428,8 @@ def smem_backward(M: int, N: int, dtype: torch.dtype, device: torch.device,
 SMEM_SPLIT_BWD = (8192, 2, 8)
 # Rows (BatchNorm: channels) in parts: K programs each hold a part in shared memory and wait for
 # each other's tagged row terms (smem.collect) with no bound, so they hang where partners cannot
-# get an SM (coop.py). More than one part a row is off until they join their row group first, as the split-row kernels do; the
-# split-row and looped kernels serve those rows (the cost is in docs/performance.md).
+# get an SM (coop.py). More than one part a row is off until they join their row group first, as
+# the split-row kernels do; the split-row and looped kernels serve those rows (cost: perf-notes v40).
 IN_PARTS = False
 
 
@@ -457,7 +457,8 @@ def _smem_config(M: int, N: int, dtype: torch.dtype, device: torch.device, chunk
                  streams: int, held: int = 0, itemsizes: tuple = (2,)) -> LaunchConfig | None:  # fmt: skip
     """What :func:`smem_row`, :func:`smem_backward`, :func:`smem_split_backward` and
     :func:`smem_split_forward` share: None off a CUDA device of compute capability 8.0+
-    (``cp.async``), without a working Gluon (compat.gluon_ok), for rows of an element size not in ``itemsizes``
+    (``cp.async``), without a working Gluon (compat.gluon_ok), for rows of an element size not in
+    ``itemsizes``
     (16-bit by default), or where a row of ``streams`` tensors in CHUNK-element buffers does not fit
     one program's shared memory beside ``held`` bytes; else one program per SM (grid min(M, SMs)),
     ``split`` = buffers a row, ``prefetch``: one spare buffer (of each stream) where it fits."""

@@ -6,20 +6,20 @@ waits at a per-row counter until all K partials are written, merges them (in a f
 the result is bitwise reproducible) and finishes its chunk from registers. x is read from HBM
 once, where the looped kernels read it twice.
 
-The row wait is a spin on a global counter, so it is only safe among programs that are all
-resident. A grid sized to the SMs' register files is no guarantee: another stream's kernel (or an
-MPS / green-context limit) can hold most SMs, and if it waits for work queued after ours, a spin
-on a partner that never gets an SM hangs both. So a row group first *joins* (:func:`join`): each
-program counts itself in at its group's start word and waits, at most ``SPIN`` polls, for the
-other K - 1. A program that is running stays resident until it exits, so a group whose K programs
-all joined waits only on running programs and always makes progress. A group that did not fill
-in time is closed (one compare-and-swap decides, so every member, early or late, sees the same
-outcome) and its programs run *solo*: before its row loop, each writes the partials of every chunk
-of its rows itself (the kernels' ``_*_split_solo``: the same code and values a partner would write,
-so the merge, and the result, are bitwise the same), then runs the loop without waiting. (Inside
-the loop the solo branch kept the loop's registers live across it: ptxas spilled up to 288 B more.) Solo costs K reads of the row instead of one; it
-happens only when SMs are held by others (or under the interpreter, which runs programs one after
-another: CI runs the split kernels solo).
+The row wait is a spin on a global counter, so it is only safe among programs that are all resident.
+A grid sized to the SMs' register files is no guarantee: another stream's kernel (or an MPS / green-
+context limit) can hold most SMs, and if it waits for work queued after ours, a spin on a partner
+that never gets an SM hangs both. So a row group first *joins* (:func:`join`): each program counts
+itself in at its group's start word and waits, at most ``SPIN`` polls, for the other K - 1. A
+program that is running stays resident until it exits, so a group whose K programs all joined waits
+only on running programs and always makes progress. A group that did not fill in time is closed (one
+compare-and-swap decides, so every member, early or late, sees the same outcome) and its programs
+run *solo*: before its row loop, each writes the partials of every chunk of its rows itself (the
+kernels' ``_*_split_solo``: the same code and values a partner would write, so the merge, and the
+result, are bitwise the same), then runs the loop without waiting. (Inside the loop the solo branch
+kept the loop's registers live across it: ptxas spilled up to 288 B more.) Solo costs K reads of the
+row instead of one; it happens only when SMs are held by others (or under the interpreter, which
+runs programs one after another: CI runs the split kernels solo).
 
 Pipelined kernels load the next row's chunk and publish its partials (``arrive``) before waiting
 on this row (``wait``), so a row's barrier latency overlaps the next row's load and reductions.

@@ -299,7 +299,7 @@ def _fwd_split_publish(x, r, X, R, H, row, stride_x, stride_r, stride_h, Part, C
 def _fwd_split_solo(X, R, H, row, stride_x, stride_r, stride_h, Part, Count, K, N, M, seed, p, scale,
                     CHUNK: tl.constexpr, KP: tl.constexpr, IS_RMS: tl.constexpr, ADD: tl.constexpr,
                     HAS_R: tl.constexpr, DROPOUT: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
-    """A solo program's stand-in for the row wait (coop.join): publish every chunk of ``row``
+    """What a solo program (coop.join) does for ``row`` before its row loop: publish every chunk of ``row``
     itself, as the K partners would (the same values, h included)."""
     for j in range(K):
         cols = j * CHUNK + tl.arange(0, CHUNK)
@@ -350,8 +350,8 @@ def _fwd_split_kernel(
     groups = tl.num_programs(0) // K
     k = pid % K
     together = join(Count + M + pid // K, K, SPIN)
-    # A solo program (its row group did not fill: coop.join) publishes every chunk of its rows first,
-    # where little else is live, so the row loop keeps its registers; the loop then never waits.
+    # A solo program (its row group did not fill: coop.join) publishes every chunk of its rows
+    # first, where little else is live, so the row loop keeps its registers.
     if together == 0:
         for row in range(pid // K, M, groups):
             _fwd_split_solo(X, R, H, row, stride_x, stride_r, stride_h, Part, Count, K, N, M, seed, p, scale,
@@ -1020,8 +1020,8 @@ def _bwd_split_publish(x, dy, w, row, Mean, Rstd, Part, Count, k, mask, KP: tl.c
 def _bwd_split_solo(X, DY, W, row, group, Mean, Rstd, Part, Count, K, N, M, WG, stride_x, stride_dy,
                     CHUNK: tl.constexpr, KP: tl.constexpr, IS_RMS: tl.constexpr, HAS_W: tl.constexpr,
                     ACC: tl.constexpr):  # fmt: skip
-    """A solo program's stand-in for the row wait (coop.join): publish every chunk's partial sums
-    of ``row`` itself, as the K partners would."""
+    """What a solo program (coop.join) does for ``row`` before its row loop: publish every chunk's partial
+    sums of ``row`` itself, as the K partners would."""
     for j in range(K):
         cols = j * CHUNK + tl.arange(0, CHUNK)
         mask = cols < N
@@ -1077,8 +1077,8 @@ def _bwd_split_kernel(
     group = pid // K
     k = pid % K
     together = join(Count + M + group, K, SPIN)
-    # A solo program (its row group did not fill: coop.join) publishes every chunk of its rows first,
-    # where little else is live, so the row loop keeps its registers; the loop then never waits.
+    # A solo program (its row group did not fill: coop.join) publishes every chunk of its rows
+    # first, where little else is live, so the row loop keeps its registers.
     if together == 0:
         for row in range(group, M, groups):
             _bwd_split_solo(X, DY, W, row, group, Mean, Rstd, Part, Count, K, N, M, WG, stride_x, stride_dy,

@@ -21,9 +21,10 @@ each, that exchange their parts' row terms as tagged words (:func:`publish`, :fu
 Plain Triton cannot place a tensor in shared memory, so these kernels are written in Gluon
 (``triton.experimental.gluon``), Triton's lower-level dialect. Gluon's API is still changing: the
 names that differ between releases come from compat.py, and ``config`` chooses these kernels only
-where ``compat.gluon_ok`` says Gluon compiles and runs on the device (else the plain kernels serve). Gluon kernels do not run under
-Triton's interpreter: ``config`` chooses them for CUDA tensors only, so CI's interpreter suite
-never launches them and the GPU suite (``pytest -m cuda``) is what tests them.
+where ``compat.gluon_ok`` says Gluon compiles and runs on the device (else the plain kernels
+serve). Gluon kernels do not run under Triton's interpreter: ``config`` chooses them for CUDA
+tensors only, so CI's interpreter suite never launches them and the GPU suite (``pytest -m cuda``)
+is what tests them.
 """
 
 from __future__ import annotations

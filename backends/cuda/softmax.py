@@ -109,7 +109,7 @@ def _fwd_split_publish(x, row, Part, Count, k, KP: tl.constexpr, ACC: tl.constex
 @triton.jit
 def _fwd_split_solo(X, row, stride_x, Part, Count, K, N, M, CHUNK: tl.constexpr, KP: tl.constexpr,
                     ACC: tl.constexpr):  # fmt: skip
-    """A solo program's stand-in for the row wait (coop.join): publish every chunk's max and sum
+    """What a solo program (coop.join) does for ``row`` before its row loop: publish every chunk's max and sum
     of ``row`` itself, as the K partners would."""
     for j in range(K):
         cols = j * CHUNK + tl.arange(0, CHUNK)
@@ -140,8 +140,8 @@ def _fwd_split_kernel(
     groups = tl.num_programs(0) // K
     k = pid % K
     together = join(Count + M + pid // K, K, SPIN)
-    # A solo program (its row group did not fill: coop.join) publishes every chunk of its rows first,
-    # where little else is live, so the row loop keeps its registers; the loop then never waits.
+    # A solo program (its row group did not fill: coop.join) publishes every chunk of its rows
+    # first, where little else is live, so the row loop keeps its registers.
     if together == 0:
         for row in range(pid // K, M, groups):
             _fwd_split_solo(X, row, stride_x, Part, Count, K, N, M, CHUNK, KP, ACC)
@@ -458,7 +458,7 @@ def _bwd_split_publish(dy, y, row, Part, Count, k, KP: tl.constexpr, LOG: tl.con
 @triton.jit
 def _bwd_split_solo(DY, Y, row, stride_dy, stride_y, Part, Count, K, N, M, CHUNK: tl.constexpr,
                     KP: tl.constexpr, LOG: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
-    """A solo program's stand-in for the row wait (coop.join): publish every chunk's partial sum
+    """What a solo program (coop.join) does for ``row`` before its row loop: publish every chunk's partial sum
     of ``row`` itself, as the K partners would."""
     for j in range(K):
         cols = j * CHUNK + tl.arange(0, CHUNK)
@@ -492,8 +492,8 @@ def _bwd_split_kernel(
     groups = tl.num_programs(0) // K
     k = pid % K
     together = join(Count + M + pid // K, K, SPIN)
-    # A solo program (its row group did not fill: coop.join) publishes every chunk of its rows first,
-    # where little else is live, so the row loop keeps its registers; the loop then never waits.
+    # A solo program (its row group did not fill: coop.join) publishes every chunk of its rows
+    # first, where little else is live, so the row loop keeps its registers.
     if together == 0:
         for row in range(pid // K, M, groups):
             _bwd_split_solo(DY, Y, row, stride_dy, stride_y, Part, Count, K, N, M, CHUNK, KP, LOG, ACC)

@@ -73,15 +73,6 @@ def disable(path: str, why: str) -> None:
     config.clear_caches()
 
 
-def enable(path: str) -> None:
-    """Undo :func:`disable` (tests)."""
-    _DISABLED.pop(path, None)
-    _PROBED.clear()
-    from normkit.backends.cuda import config
-
-    config.clear_caches()
-
-
 def disabled(path: str) -> str | None:
     """Why ``path`` is skipped in this process, or None."""
     return _DISABLED.get(path)

@@ -25,6 +25,18 @@ def _version(dist: str) -> str | None:
         return None
 
 
+def _triton_range():
+    """The Triton versions the ``cuda`` extra accepts (pyproject.toml, as installed), or None."""
+    from packaging.requirements import Requirement
+
+    try:
+        reqs = [Requirement(r) for r in importlib.metadata.requires("normkit") or ()]
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return next((r.specifier for r in reqs if r.name == "triton" and r.marker is not None
+                 and r.marker.evaluate({"extra": "cuda"})), None)  # fmt: skip
+
+
 def _executors(args):
     import torch
 
@@ -118,12 +130,21 @@ def cmd_info(args) -> int:
     print(f"python      {sys.version.split()[0]}")
     print(f"torch       {torch.__version__}")
     print(f"triton      {_version(triton_flavour) or 'not installed'} ({triton_flavour})")
+    supported = _triton_range()
+    if triton_flavour == "triton" and _version("triton") and supported is not None:
+        ok = supported.contains(_version("triton"), prereleases=True)
+        print(f"            {'in' if ok else 'NOT in'} the tested range {supported} (docs/backends.md)")
     print(f"torch_npu   {_version('torch_npu') or _version('torch-npu') or 'not installed'}")
     print("devices:")
     print("  cpu       yes")
     if torch.cuda.is_available():
         names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         print(f"  cuda      {len(names)}: {', '.join(names)}")
+        if _has_triton() and triton_flavour == "triton":
+            from normkit.backends.cuda import compat
+
+            gluon = "on" if compat.gluon_ok(torch.device("cuda", 0)) else f"off ({compat.disabled('gluon')})"
+            print(f"            fast paths: shared-memory kernels (Gluon) {gluon}")
     else:
         print("  cuda      none")
     ok, reason = npu_status()
@@ -246,7 +267,7 @@ def add_bench_parser(sub):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="normkit", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    info = sub.add_parser("info", help="versions, devices, the backend serving each device type")
+    info = sub.add_parser("info", help="versions (is Triton in the tested range), devices, fast paths, the backend serving each device type")
     info.add_argument("--shape", help="M,N: also print the launch configs chosen for these rows")
     info.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32", "float64"])
     info.set_defaults(fn=cmd_info)

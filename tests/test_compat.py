@@ -12,6 +12,7 @@ import warnings
 
 import pytest
 import torch
+import triton
 
 from normkit.backends.cuda import compat, config, launch, smem
 from normkit.testing import Executor, check_case
@@ -129,3 +130,18 @@ def test_direct_launch_falls_back_on_a_changed_launcher(run_on, fresh):
             check_case("layer_norm", (64, 1024), dtype=torch.float32, device="cuda", seed=2)
         assert compat.disabled("direct launch")
         check_case("layer_norm", (64, 1024), dtype=torch.float32, device="cuda", seed=3)
+
+
+def test_info_names_the_tested_triton_range(capsys):
+    """``normkit info`` says whether the installed Triton is in the ``cuda`` extra's range."""
+    from packaging.version import Version
+
+    from normkit import cli
+
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    spec = cli._triton_range()
+    assert spec is not None and Version("3.6.0") in spec and Version("3.5.1") not in spec
+    assert Version("3.9.0") in spec and Version("3.10.0") not in spec
+    verdict = "in" if Version(triton.__version__) in spec else "NOT in"
+    assert f"{verdict} the tested range {spec}" in out

@@ -267,7 +267,8 @@ def add_bench_parser(sub):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="normkit", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    info = sub.add_parser("info", help="versions (is Triton in the tested range), devices, fast paths, the backend serving each device type")
+    info = sub.add_parser("info", help="versions (is Triton in the tested range), devices, fast paths, "
+                                       "the backend serving each device type")
     info.add_argument("--shape", help="M,N: also print the launch configs chosen for these rows")
     info.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32", "float64"])
     info.set_defaults(fn=cmd_info)

@@ -753,7 +753,7 @@ def _split_forward(cfg, shape, dtype, device, eps, has_w, has_b, has_rm, has_rv)
     L, acc = N * HW, config.acc_dtype(dtype)
     if cfg.smem:
         return _parts_forward(cfg, C, HW, L, device, eps, has_w, has_b, has_rm, has_rv)
-    bound = _split_bound(_fwd_split_kernel, cfg.grid, device, CHUNK=cfg.block_size,
+    bound = Bound(_fwd_split_kernel, cfg.grid, device.index, CHUNK=cfg.block_size,
                          VEC=config.run_length(HW, dtype), KP=coop.chunks_pow2(cfg.split), HAS_W=has_w,
                          HAS_B=has_b, HAS_RM=has_rm, HAS_RV=has_rv, ACC=config.tl_acc_dtype(dtype),
                          PIPELINE=cfg.prefetch, SPIN=cfg.spin, num_warps=cfg.num_warps,
@@ -771,14 +771,6 @@ def _split_forward(cfg, shape, dtype, device, eps, has_w, has_b, has_rm, has_rv)
         return y, mean, rstd
 
     return forward
-
-
-def _split_bound(fn, grid, device, **meta):
-    """A split-channel launch site: launch.Bound on CUDA devices; for CPU tensors (the interpreter,
-    where the channel groups run solo: coop.join) a plain :func:`launch` each call."""
-    if device.type == "cuda":
-        return Bound(fn, grid, device.index, **meta)
-    return lambda *args: launch(fn, grid, *args, **meta)
 
 
 def _parts_forward(cfg, C, HW, L, device, eps, has_w, has_b, has_rm, has_rv):
@@ -871,7 +863,7 @@ def _split_backward(cfg, shape, dtype, device, dtypes, training):
         return _parts_backward(cfg, C, HW, N * HW, device, dtypes, training)
     has_w, has_db = dtypes[0] is not None, dtypes[1] is not None
     acc = config.acc_dtype(dtype)
-    bound = _split_bound(_bwd_split_kernel, cfg.grid, device, CHUNK=cfg.block_size,
+    bound = Bound(_bwd_split_kernel, cfg.grid, device.index, CHUNK=cfg.block_size,
                          VEC=config.run_length(HW, dtype), KP=coop.chunks_pow2(cfg.split), HAS_W=has_w,
                          HAS_DB=has_db, TRAINING=training, ACC=config.tl_acc_dtype(dtype),
                          PIPELINE=cfg.prefetch, SPIN=cfg.spin, num_warps=cfg.num_warps,

@@ -139,7 +139,8 @@ def _run(cached, g: tuple, device: int, args) -> None:
 
 class Bound:
     """One kernel launch site with everything but its leading arguments fixed (grid, constexprs) on
-    CUDA device ``index``: the first call launches through :func:`launch` (compiling if needed),
+    CUDA device ``index`` (None for CPU tensors: each call a plain :func:`launch`, as under the
+    interpreter): the first call launches through :func:`launch` (compiling if needed),
     later ones call the compiled kernel directly with no key at all. For plans (``plan_*`` in the op
     files), whose owner keys them by a call signature that fixes the specialization; :data:`CHECK_KEYS`
     checks that here too. Launches on the device's current stream, under its guard when another
@@ -152,6 +153,9 @@ class Bound:
         self.cached, self.index = None, index
 
     def __call__(self, *args) -> None:
+        if self.index is None:  # CPU tensors (the interpreter): nothing to keep
+            launch(self.fn, self.grid, *args, **self.meta)
+            return None
         device = torch.cuda.current_device()
         if device != self.index:
             with torch.cuda.device(self.index):

@@ -18,7 +18,7 @@ mkdir -p "$cache"
 want=$(grep -E '^triton==' "$reqs" | cut -d= -f3)
 
 healthy() {
-  [[ -f $venv/.complete ]] && "$venv/bin/python" -c "import torch, triton, pytest; assert triton.__version__ == '$want'" \
+  [[ -f $venv/.complete ]] && "$venv/bin/python" -c "import torch, triton, pytest, xdist; assert triton.__version__ == '$want'" \
     >/dev/null 2>&1
 }
 
@@ -35,5 +35,5 @@ else
 fi
 "$venv/bin/pip" install -q --no-deps -e .
 "$venv/bin/python" -c 'import torch, triton, numpy; print("torch", torch.__version__, "triton", triton.__version__, "numpy", numpy.__version__)'
-"$venv/bin/python" -m pytest -q -p no:cacheprovider | tail -4
+"$venv/bin/python" -m pytest -q -p no:cacheprovider -n "${WORKERS:-2}" | tail -4
 echo "== interpreter suite, lowest Triton: $((SECONDS - start)) s"

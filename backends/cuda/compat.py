@@ -87,6 +87,8 @@ def gluon_ok(device: torch.device) -> bool:
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _PROBED:
+        if torch.cuda.is_current_stream_capturing():
+            return False  # no launch or synchronize inside a CUDA graph capture: probe on a later call
         _PROBED[index] = _probe(index)
     return _PROBED[index]
 

@@ -50,6 +50,8 @@ async_copy = _first(cp, "async_load", "async_copy_global_to_shared")
 barrier = _first(gl, "barrier", "thread_barrier")
 if _MISSING is None and (async_copy is None or barrier is None):  # pragma: no cover
     _MISSING = f"triton {triton.__version__}'s Gluon lacks cp.async loads or a CTA barrier"
+# Gluon and every name the kernels use import (whether they compile and run: gluon_ok's probe).
+HAS_GLUON = _MISSING is None
 
 # Paths skipped in this process: name -> why. Filled by the checks below (and by tests).
 _DISABLED: dict[str, str] = {}

@@ -32,11 +32,8 @@ from __future__ import annotations
 import torch
 import triton
 
+from normkit.backends.cuda.compat import HAS_GLUON as AVAILABLE
 from normkit.backends.cuda.compat import async_copy, barrier, cp, gl, gluon
-
-# Gluon is importable with the names the kernels use (compat.py); whether it compiles and runs on a
-# device is compat.gluon_ok's probe, which config asks before choosing these kernels.
-AVAILABLE = gluon is not None and async_copy is not None and barrier is not None
 
 
 def jit(fn):

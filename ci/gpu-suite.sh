@@ -5,11 +5,14 @@
 # ../shared/tools/triton-for-device.sh (docs/backends.md, "Triton versions"). Logs go to $OUT (or
 # ./gpu-out), named after the Triton version. PYTEST_ARGS narrows the suite (default: tests);
 # PYTEST_TIMEOUT (s) interrupts it with SIGINT, so the summary of what ran is still printed;
-# BENCH=0 skips the benchmark. The machine's own torch is used (--no-deps).
+# BENCH=0 skips the benchmark; INSTALL=0 skips the editable install (done already). The machine's
+# own torch is used (--no-deps).
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
+if [ "${INSTALL:-1}" = 1 ]; then
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
+fi
 tag=$(python3 -c 'import triton; print(triton.__version__)')
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, triton.__file__)'

@@ -102,7 +102,7 @@ def _probe(index: int) -> bool:
     try:
         with torch.cuda.device(index):
             _probe_kernel[(1,)](x, y, count, 1024, num_warps=4)
-            torch.cuda.synchronize(index)
+            torch.cuda.current_stream(index).synchronize()  # not the device: another stream may wait on us
     except Exception as e:  # any failure of the compile or launch means: not on this Triton
         last = str(e).strip().splitlines()[-1][:200] if str(e).strip() else ""
         disable("gluon", f"its probe kernel failed to compile or run on triton {triton.__version__}: "

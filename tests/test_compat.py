@@ -145,3 +145,18 @@ def test_info_names_the_tested_triton_range(capsys):
     assert Version("3.9.0") in spec and Version("3.10.0") not in spec
     verdict = "in" if Version(triton.__version__) in spec else "NOT in"
     assert f"{verdict} the tested range {spec}" in out
+
+
+@pytest.mark.parametrize("version,refused", [("3.6.0", False), ("3.7.1", False), ("3.9.0", True), ("3.10.0", True)])
+def test_rows_in_parts_refused_on_triton_that_gets_them_wrong(monkeypatch, version, refused):
+    """More than one part a row only where IN_PARTS and the installed Triton is below
+    compat.IN_PARTS_WRONG_FROM; one part a row is never refused."""
+    monkeypatch.setattr(triton, "__version__", version)
+    assert (compat.in_parts_ok() is not None) == refused
+    if refused:
+        assert version in compat.in_parts_ok()
+    monkeypatch.setattr(config, "IN_PARTS", True)
+    assert config._parts_refused(2) == refused
+    assert not config._parts_refused(1)
+    monkeypatch.setattr(config, "IN_PARTS", False)
+    assert config._parts_refused(2) and not config._parts_refused(1)

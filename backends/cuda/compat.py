@@ -138,6 +138,23 @@ def _probe_kernel(X, Y, Count, N: gl.constexpr):
     gl.store(Y + offs, (x + total - total).to(Y.dtype.element_ty))
 
 
+# Rows (BatchNorm: channels) in more than one part (config.IN_PARTS, off by default) gave wrong
+# results on triton 3.9.0 (H100, 2026-11-25: fp32 LayerNorm (2, 270336) y off by up to 0.2 in 4.5% of
+# the elements; BatchNorm (64, 3, 112, 112) dx different between two runs, every dtype); 3.6.0 and
+# 3.7.1 pass the same tests. Cause not found: the cp.async zero fill, the tagged words' 8-byte
+# stores and volatile loads compile as on 3.6. Refused from this release on, even where IN_PARTS.
+IN_PARTS_WRONG_FROM = "3.9.0"
+
+
+def in_parts_ok() -> str | None:
+    """None where rows in parts may run on the installed Triton, else why not."""
+    from packaging.version import Version
+
+    if Version(triton.__version__) >= Version(IN_PARTS_WRONG_FROM):
+        return f"rows in parts give wrong results on triton {triton.__version__} (>= {IN_PARTS_WRONG_FROM})"
+    return None
+
+
 def direct_launch_ok(kernel) -> bool:
     """Whether launch.py may call ``kernel`` (a ``CompiledKernel``) through its own launcher."""
     if "direct launch" in _DISABLED:

@@ -433,6 +433,12 @@ SMEM_SPLIT_BWD = (8192, 2, 8)
 IN_PARTS = False
 
 
+def _parts_refused(K: int) -> bool:
+    """More than one part a row, where IN_PARTS is off or the installed Triton gets them wrong
+    (compat.in_parts_ok)."""
+    return K > 1 and (not IN_PARTS or compat.in_parts_ok() is not None)
+
+
 def smem_split_backward(M: int, N: int, dtype: torch.dtype, device: torch.device,
                         dres: bool = False) -> LaunchConfig | None:  # fmt: skip
     """Row-norm backward with each row shared by K programs in shared memory (:data:`SMEM_SPLIT_BWD`),
@@ -442,7 +448,7 @@ def smem_split_backward(M: int, N: int, dtype: torch.dtype, device: torch.device
     in-parts kernel still, ``part`` = its width)."""
     chunk, chunks, warps = SMEM_SPLIT_BWD
     K = triton.cdiv(N, chunk * chunks)
-    if K > 1 and not IN_PARTS:
+    if _parts_refused(K):
         return None
     # two rows of the part, x and dy; beside them the part of the weight (room for an fp32 one)
     cfg = _smem_config(M, 2 * chunks * chunk, dtype, device, chunk, warps, 2, chunks * chunk * 4)
@@ -571,7 +577,7 @@ def _in_parts(M: int, N: int, dtype: torch.dtype, device: torch.device, setting:
     chunk, chunks, warps, depth = setting
     width = chunk * chunks
     K = triton.cdiv(N, width)
-    if K > 1 and not IN_PARTS:
+    if _parts_refused(K):
         return None
     cfg = _smem_config(M, depth * width, dtype, device, chunk, warps, streams, width * held, (2, 4))
     if cfg is None or K > sm_count(device):

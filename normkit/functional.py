@@ -270,7 +270,8 @@ def _plan(key, backend, name: str, rows: torch.Tensor, *args):
         train = key[-1]
         plan = make(rows, *args, grad=True) if train else make(rows, *args)
         if train and plan is not None:
-            plan = _TRAINING[key[0]](*plan)
+            scalars = tuple(None if isinstance(a, torch.Tensor) else a for a in args)  # no tensor kept alive
+            plan = _TRAINING[key[0]](*plan, (key[0], tuple(rows.shape), scalars))
     if len(_PLANS) >= PLANS_SIZE:
         _PLANS.clear()
     _PLANS[key] = _NO_PLAN if plan is None else plan

@@ -21,10 +21,9 @@ from typing import Optional
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 from torch.library import custom_op
 
-from normkit import dispatch, reference
+from normkit import dispatch, higher_order, reference
 
 _NONE = (0,)  # shape of the empty tensor that stands for "no such output"
 
@@ -129,14 +128,17 @@ def _layer_norm_setup(ctx, inputs, output):
     x, weight, bias, _ = inputs
     _, mean, rstd = output
     ctx.save_for_backward(x, weight, mean, rstd)
-    ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.bias_dtype, ctx.eps = None if bias is None else bias.dtype, inputs[3]
 
 
 def _layer_norm_backward(ctx, dy, _dmean, _drstd):
     if dy is None:  # only the statistics were used, and they carry no gradient
         return None, None, None, None
     x, weight, mean, rstd = ctx.saved_tensors
-    dx, dw, db = _bwd(ctx, layer_norm_bwd)(unit_stride(dy), x, weight, mean, rstd, ctx.bias_dtype)
+    if torch.is_grad_enabled():  # create_graph: a backward autograd can differentiate again
+        dx, dw, db = higher_order.row_norm(dy, x, weight, ctx.bias_dtype, ctx.eps, False)
+    else:
+        dx, dw, db = _bwd(ctx, layer_norm_bwd)(unit_stride(dy), x, weight, mean, rstd, ctx.bias_dtype)
     return dx, dw if weight is not None else None, db if ctx.bias_dtype is not None else None, None
 
 
@@ -173,7 +175,7 @@ def _(dy, x, weight, rstd):
 
 def _rms_norm_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # no zero-filled gradient for rstd
-    x, weight, _ = inputs
+    x, weight, ctx.eps = inputs
     ctx.save_for_backward(x, weight, output[1])
 
 
@@ -181,7 +183,10 @@ def _rms_norm_backward(ctx, dy, _drstd):
     if dy is None:
         return None, None, None
     x, weight, rstd = ctx.saved_tensors
-    dx, dw = _bwd(ctx, rms_norm_bwd)(unit_stride(dy), x, weight, rstd)
+    if torch.is_grad_enabled():  # create_graph
+        dx, dw, _ = higher_order.row_norm(dy, x, weight, None, ctx.eps, True)
+    else:
+        dx, dw = _bwd(ctx, rms_norm_bwd)(unit_stride(dy), x, weight, rstd)
     return dx, dw if weight is not None else None, None
 
 
@@ -223,6 +228,8 @@ def _softmax_setup(ctx, inputs, output):
 
 def _softmax_backward(ctx, dy):
     (y,) = ctx.saved_tensors
+    if torch.is_grad_enabled():  # create_graph
+        return higher_order.softmax(dy, y, ctx.log), None
     return _bwd(ctx, softmax_bwd)(unit_stride(dy), y, ctx.log), None
 
 
@@ -284,7 +291,7 @@ def _(dy, dh, h, weight, mean, rstd, bias_dtype, dropout_p, seed, x_dtype, resid
 
 def _add_norm_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # h's gradient stays None when h is unused: no read of zeros
-    x, residual, weight, bias, _, dropout_p, seed, _, is_rms = inputs
+    x, residual, weight, bias, ctx.eps, dropout_p, seed, _, is_rms = inputs
     _, h, mean, rstd = output
     ctx.save_for_backward(h, weight, mean, rstd)
     ctx.args = (None if bias is None else bias.dtype, dropout_p, seed, x.dtype,
@@ -294,10 +301,25 @@ def _add_norm_setup(ctx, inputs, output):
 def _add_norm_backward(ctx, dy, dh, _dmean, _drstd):
     h, weight, mean, rstd = ctx.saved_tensors
     bias_dtype, dropout_p, seed, x_dtype, residual_dtype, is_rms = ctx.args
-    dy = torch.zeros_like(h, dtype=x_dtype) if dy is None else unit_stride(dy)
+    if torch.is_grad_enabled():  # create_graph
+        keep_scale = None
+        if dropout_p > 0:  # the backend's own mask x 1 / (1 - p): its backward of dh = 1, dy = 0
+            acc = _stat_dtype(h)
+            with torch.no_grad():
+                keep_scale = _bwd(ctx, add_norm_bwd)(
+                    torch.zeros_like(h, dtype=x_dtype), torch.ones_like(h), h, weight, mean, rstd, bias_dtype,
+                    dropout_p, seed, acc, None, is_rms)[0]  # fmt: skip
+        dx, dres, dw, db = higher_order.add_norm(dy, dh, h, weight, bias_dtype, ctx.eps, is_rms, keep_scale,
+                                                 x_dtype, residual_dtype)  # fmt: skip
+        return (dx, dres, dw if weight is not None else None, db if bias_dtype is not None else None,
+                None, None, None, None, None)  # fmt: skip
+    y_unused = dy is None  # then no gradient reaches the weight and bias: None, as torch gives
+    dy = torch.zeros_like(h, dtype=x_dtype) if y_unused else unit_stride(dy)
     dh = None if dh is None else unit_stride(dh)
     dx, dres, dw, db = _bwd(ctx, add_norm_bwd)(dy, dh, h, weight, mean, rstd, bias_dtype, dropout_p, seed,
                                                x_dtype, residual_dtype, is_rms)  # fmt: skip
+    if y_unused:
+        dw = db = None
     return (dx, dres if residual_dtype is not None else None, dw if weight is not None else None,
             db if bias_dtype is not None else None, None, None, None, None, None)
 
@@ -342,7 +364,7 @@ def _(dy, x, weight, mean, rstd, num_groups, bias_dtype):
 
 def _group_norm_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # no zero-filled gradients for the statistics outputs
-    x, weight, bias, num_groups, _ = inputs
+    x, weight, bias, num_groups, ctx.eps = inputs
     _, mean, rstd = output
     ctx.save_for_backward(x, weight, mean, rstd)
     ctx.num_groups, ctx.bias_dtype = num_groups, None if bias is None else bias.dtype
@@ -352,8 +374,11 @@ def _group_norm_backward(ctx, dy, _dmean, _drstd):
     if dy is None:
         return None, None, None, None, None
     x, weight, mean, rstd = ctx.saved_tensors
-    dx, dw, db = _bwd(ctx, group_norm_bwd)(dy.contiguous(), x, weight, mean, rstd, ctx.num_groups,
-                                            ctx.bias_dtype)  # fmt: skip
+    if torch.is_grad_enabled():  # create_graph
+        dx, dw, db = higher_order.group_norm(dy, x, weight, ctx.bias_dtype, ctx.num_groups, ctx.eps)
+    else:
+        dx, dw, db = _bwd(ctx, group_norm_bwd)(dy.contiguous(), x, weight, mean, rstd, ctx.num_groups,
+                                                ctx.bias_dtype)  # fmt: skip
     return dx, dw if weight is not None else None, db if ctx.bias_dtype is not None else None, None, None
 
 
@@ -414,13 +439,16 @@ def _(dy, x, weight, mean, rstd, training, bias_dtype):
 def _batch_norm_setup(ctx, inputs, output):
     x, weight, bias, mean, rstd, training = inputs
     ctx.save_for_backward(x, weight, mean, rstd)
-    ctx.training, ctx.bias_dtype = training, None if bias is None else bias.dtype
+    ctx.training, ctx.bias_dtype, ctx.eps = training, None if bias is None else bias.dtype, None
 
 
 def _batch_norm_backward(ctx, dy):
     x, weight, mean, rstd = ctx.saved_tensors
-    dx, dw, db = _bwd(ctx, batch_norm_bwd)(dy.contiguous(), x, weight, mean, rstd, ctx.training,
-                                            ctx.bias_dtype)  # fmt: skip
+    if torch.is_grad_enabled():  # create_graph
+        dx, dw, db = higher_order.batch_norm(dy, x, weight, ctx.bias_dtype, mean, rstd, ctx.training, ctx.eps)
+    else:
+        dx, dw, db = _bwd(ctx, batch_norm_bwd)(dy.contiguous(), x, weight, mean, rstd, ctx.training,
+                                                ctx.bias_dtype)  # fmt: skip
     return (dx, dw if weight is not None else None, db if ctx.bias_dtype is not None else None,
             None, None, None)  # fmt: skip
 
@@ -471,7 +499,7 @@ def _batch_norm_train_setup(ctx, inputs, output):
     x, weight, bias = inputs[:3]
     mean, rstd = output[1:3]  # the operator's 5 outputs, or the eager kernel's 3
     ctx.save_for_backward(x, weight, mean, rstd)
-    ctx.training, ctx.bias_dtype = True, None if bias is None else bias.dtype
+    ctx.training, ctx.bias_dtype, ctx.eps = True, None if bias is None else bias.dtype, inputs[3]
 
 
 def _batch_norm_train_backward(ctx, dy, *_stats):
@@ -505,6 +533,12 @@ def _params_shape(weight: Optional[Tensor], bias: Optional[Tensor]):
     return None if param is None or param.dim() == 1 else param.shape
 
 
+def _plan_args(ctx):
+    """(rows shape, the plan's non-tensor arguments) of the call a training plan was made for."""
+    _, rows, args = ctx.plan.spec
+    return rows, args
+
+
 class _PlannedRowNorm(torch.autograd.Function):
     """LayerNorm / RMSNorm (``plan_row_norm(..., grad=True)``) or GroupNorm (``plan_group_norm``, the
     same protocol) from a training plan: the plan's forward (statistics written) and backward, with
@@ -515,12 +549,20 @@ class _PlannedRowNorm(torch.autograd.Function):
         y, _, mean, rstd = plan.forward(x, None, weight, bias)
         ctx.save_for_backward(x, weight, mean, rstd)
         ctx.plan, ctx.shape = plan, _params_shape(weight, bias)
+        ctx.bias_dtype = None if bias is None else bias.dtype
         return y
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dy):
         x, weight, mean, rstd = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph (higher_order): plan_row_norm's or plan_group_norm's
+            rows, args = _plan_args(ctx)
+            w, d, xr = None if weight is None else weight.reshape(-1), dy.reshape(rows), x.reshape(rows)
+            if ctx.plan.spec[0] == "group_norm":  # (weight, bias, num_groups, eps)
+                dx, dw, db = higher_order.group_norm(d, xr, w, ctx.bias_dtype, args[2], args[3])
+            else:  # (weight, bias, eps, is_rms)
+                dx, dw, db = higher_order.row_norm(d, xr, w, ctx.bias_dtype, args[2], args[3])
+            return None, dx.view(x.shape), _param_shaped(dw, ctx.shape), _param_shaped(db, ctx.shape)
         dx, _, dw, db = ctx.plan.backward(_dense(dy, x.dtype), None, x, weight, mean, rstd)
         return None, dx, _param_shaped(dw, ctx.shape), _param_shaped(db, ctx.shape)
 
@@ -534,14 +576,27 @@ class _PlannedAddNorm(torch.autograd.Function):
         y, h, mean, rstd = plan.forward(x, residual, weight, bias)
         ctx.save_for_backward(h, weight, mean, rstd)
         ctx.plan, ctx.shape, ctx.x_dtype = plan, _params_shape(weight, bias), x.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.residual = None if residual is None else (residual.dtype, residual.shape)
         return y, h
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dy, dh):
         h, weight, mean, rstd = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph (higher_order); args: (weight, bias, eps, is_rms, ...)
+            rows, args = _plan_args(ctx)
+            dy, dh = (None if g is None else g.reshape(rows) for g in (dy, dh))
+            w = None if weight is None else weight.reshape(-1)
+            dx, dres, dw, db = higher_order.add_norm(
+                dy, dh, h.reshape(rows), w, ctx.bias_dtype, args[2], args[3], None, ctx.x_dtype,
+                None if ctx.residual is None else ctx.residual[0])  # fmt: skip
+            if dres is not None:
+                dres = dres.view(h.shape).sum_to_size(ctx.residual[1])
+            return None, dx.view(h.shape), dres, _param_shaped(dw, ctx.shape), _param_shaped(db, ctx.shape)
         dy, dh = _dense(dy, ctx.x_dtype), _dense(dh, h.dtype)
         dx, dres, dw, db = ctx.plan.backward(dy, dh, h, weight, mean, rstd)
+        if dy is None:  # y unused: no gradient reaches the weight and bias (None, as torch gives)
+            dw = db = None
         return None, dx, dres, _param_shaped(dw, ctx.shape), _param_shaped(db, ctx.shape)
 
 
@@ -556,9 +611,10 @@ class _PlannedSoftmax(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dy):
         (y,) = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph (higher_order); args: (log,)
+            return None, higher_order.softmax(dy, y, _plan_args(ctx)[1][0])
         return None, ctx.plan.backward(_dense(dy, y.dtype), y)
 
 
@@ -571,13 +627,17 @@ class _PlannedBatchNorm(torch.autograd.Function):
     def forward(ctx, plan, x, weight, bias, running_mean, running_var, momentum):
         y, mean, rstd = plan.forward(x, weight, bias, running_mean, running_var, momentum)
         ctx.save_for_backward(x, weight, mean, rstd)
-        ctx.plan = plan
+        ctx.plan, ctx.bias_dtype = plan, None if bias is None else bias.dtype
         return y
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dy):
         x, weight, mean, rstd = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph; args: (weight, bias, running stats, eps, training)
+            rows, args = _plan_args(ctx)
+            dx, dw, db = higher_order.batch_norm(dy.reshape(rows), x.reshape(rows), weight, ctx.bias_dtype,
+                                                 mean, rstd, args[5], args[4])  # fmt: skip
+            return None, dx.view(x.shape), dw, db, None, None, None
         dx, dw, db = ctx.plan.backward(_dense(dy, x.dtype), x, weight, mean, rstd)
         return None, dx, dw, db, None, None, None
 
@@ -585,12 +645,13 @@ class _PlannedBatchNorm(torch.autograd.Function):
 class RowNormTraining:
     """A backend's training plan for a LayerNorm / RMSNorm / GroupNorm signature (``plan_row_norm`` /
     ``plan_group_norm(..., grad=True)`` -> (forward, backward)), called as its inference plan is:
-    ``plan(input, None, weight, bias)``."""
+    ``plan(input, None, weight, bias)``. ``spec``: (op, rows shape, the plan maker's arguments with
+    tensors left out), what a backward with create_graph recomputes from (higher_order)."""
 
-    __slots__ = ("forward", "backward")
+    __slots__ = ("forward", "backward", "spec")
 
-    def __init__(self, forward, backward):
-        self.forward, self.backward = forward, backward
+    def __init__(self, forward, backward, spec):
+        self.forward, self.backward, self.spec = forward, backward, spec
 
     def __call__(self, x, residual, weight, bias):
         return _PlannedRowNorm.apply(self, x, weight, bias)
@@ -672,8 +733,7 @@ def _eager_function(raw, setup, backward, stats):
             return out
 
         @staticmethod
-        @once_differentiable
-        def backward(ctx, *grads):
+        def backward(ctx, *grads):  # differentiable again with create_graph (higher_order)
             return backward(ctx, *grads)
 
     return _Function

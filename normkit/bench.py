@@ -33,7 +33,6 @@ is ``h = x + residual; y = norm(h)``; normkit's is the fused op with ``prenorm=T
 
 from __future__ import annotations
 
-import argparse
 import csv
 import gc
 import importlib
@@ -45,7 +44,6 @@ import statistics
 import sys
 import time
 import zlib
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -54,6 +52,33 @@ import torch.nn.functional as F
 
 import normkit
 from normkit import reference as ref_impl
+from normkit.bench_plan import (  # noqa: F401  (the plan lives there, without torch; re-exported here)
+    DEVICES,
+    DIM0_NS,
+    DIM0_OPS,
+    DTYPES,
+    FEW_MS,
+    FEW_NS,
+    GROUPS,
+    IMAGE_OPS,
+    IMAGE_SHAPES,
+    IMPLS,
+    ITEMSIZE,
+    OPS,
+    OPT_IN,
+    ROW_OPS,
+    SMALL_NS,
+    SUITES,
+    SWEEP_NS,
+    TOTAL,
+    UNITS,
+    Case,
+    comma_list,
+    int_list,
+    plan,
+    shard,
+    shard_spec,
+)
 from normkit.testing import (
     _softmax_bwd_reference,
     add_norm_reference,
@@ -62,34 +87,6 @@ from normkit.testing import (
     softmax_reference,
 )
 
-IMPLS = ("normkit", "torch", "torch.compile", "liger", "quack", "torch_npu", "npu-kernels-on-cuda")
-# Measured only when named in --impls: normkit's NPU backend launched on CUDA tensors, to show what
-# the Ascend launch rules (1024-column tile, persistent grid) cost on a GPU. Not an NPU measurement.
-OPT_IN = ("npu-kernels-on-cuda",)
-DEVICES = ("auto", "cuda", "npu")  # --device; auto: cuda if available, else npu
-ROW_OPS = ("layer_norm", "rms_norm", "softmax", "log_softmax", "add_layer_norm", "add_rms_norm")
-IMAGE_OPS = ("group_norm", "batch_norm")
-DIM0_OPS = ("softmax_dim0", "log_softmax_dim0")
-OPS = ROW_OPS + IMAGE_OPS + DIM0_OPS
-DTYPES = ("float16", "bfloat16", "float32")
-SUITES = ("sweep", "small", "few", "image", "dim0")
-
-UNITS = {  # (forward, backward) bytes moved, in units of the input tensor's bytes (see module doc)
-    "layer_norm": (2, 3), "rms_norm": (2, 3), "softmax": (2, 3), "log_softmax": (2, 3),
-    "add_layer_norm": (4, 4), "add_rms_norm": (4, 4), "group_norm": (2, 3), "batch_norm": (2, 3),
-    "softmax_dim0": (2, 3), "log_softmax_dim0": (2, 3),
-}  # fmt: skip
-
-TOTAL = 1 << 27  # elements per row-op tensor
-SWEEP_NS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
-SMALL_NS = (64, 128, 256, 512)
-FEW_MS, FEW_NS = (1, 16, 128), (4096, 8192)
-# (N, C, H, W): ResNet-50 training activations at batch 128 / 256 (2^26.6 elements, like the sweep's
-# 2^27: at bf16 the forward's copy takes ~137 us on an H100, above the ~100-200 us of an eager call's
-# host time, so the cells time the GPU), and the smaller 32x256x56x56, where host time shows.
-IMAGE_SHAPES = ((128, 256, 56, 56), (256, 512, 28, 28), (128, 64, 112, 112), (32, 256, 56, 56))
-DIM0_NS = (1024, 4096, 32768)
-GROUPS = 32  # group_norm's num_groups
 EPS = 1e-5
 DEFAULT_NS = list(SWEEP_NS)  # kept for ci/ scripts
 RESULTS = "results.json"
@@ -119,119 +116,6 @@ REFERENCE_ON_DEVICE = ("cuda", "cpu")  # device types whose fp64 is complete; ot
 
 class UsageError(Exception):
     """A bad combination of arguments: printed, exit status 2."""
-
-
-# --- cases ----------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Case:
-    """One (op, dtype, tensor shape), listed under the first suite that asked for it."""
-
-    suite: str
-    op: str
-    dtype: str
-    shape: tuple[int, ...]  # rows (M, N); dim0: (N, M), reduced along dim 0; image: (N, C, H, W)
-
-    @property
-    def label(self) -> str:
-        return "x".join(map(str, self.shape))
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def n(self) -> int:
-        """Length of one reduction (row length; dim 0; a group's or a channel's element count)."""
-        if self.op == "group_norm":
-            return self.shape[1] // GROUPS * math.prod(self.shape[2:])
-        if self.op == "batch_norm":
-            return self.shape[0] * math.prod(self.shape[2:])
-        return self.shape[0] if self.op in DIM0_OPS else self.shape[-1]
-
-    @property
-    def m(self) -> int:
-        return self.numel // self.n
-
-    def bytes(self) -> tuple[int, int]:
-        elt = torch.finfo(getattr(torch, self.dtype)).bits // 8
-        return tuple(u * self.numel * elt for u in UNITS[self.op])
-
-
-def _suite_shapes(suite, ns, quick):
-    """(ops, shapes) of one suite; ``ns`` overrides the row lengths of the N-swept suites."""
-    if suite == "image":
-        return IMAGE_OPS, IMAGE_SHAPES[:1] if quick else IMAGE_SHAPES
-    default = {"sweep": SWEEP_NS, "small": SMALL_NS, "few": FEW_NS, "dim0": DIM0_NS}[suite]
-    ns = ns or ([{"sweep": 4096, "small": 256, "few": 4096, "dim0": 4096}[suite]] if quick else default)
-    if suite == "few":
-        return ROW_OPS, [(m, n) for m in ((16,) if quick else FEW_MS) for n in ns]
-    if suite == "dim0":
-        return DIM0_OPS, [(n, max(1, TOTAL // n)) for n in ns]
-    return ROW_OPS, [(max(1, TOTAL // n), n) for n in ns]
-
-
-def plan(suites=SUITES, ops=None, dtypes=None, ns=None, quick=False) -> list[Case]:
-    """The cases of ``suites`` (op-major, then dtype, then shape); a repeated (op, dtype, shape) once."""
-    dtypes = dtypes or (["bfloat16"] if quick else list(DTYPES))
-    cases, seen = [], set()
-    for suite in suites:
-        suite_ops, shapes = _suite_shapes(suite, ns, quick)
-        for op in suite_ops:
-            if ops and op not in ops:
-                continue
-            for dtype in dtypes:
-                for shape in shapes:
-                    if (op, dtype, shape) not in seen:
-                        seen.add((op, dtype, shape))
-                        cases.append(Case(suite, op, dtype, tuple(shape)))
-    return cases
-
-
-def shard(cases, spec):
-    """Every K-th case from the I-th (``spec`` = (I, K), 1-based): K invocations cover all cases."""
-    i, k = spec
-    return cases[i - 1 :: k]
-
-
-# --- argument types (used by the CLI) ------------------------------------------------------------
-
-
-def comma_list(choices, what):
-    """argparse type: a comma-separated list whose items must be in ``choices``."""
-
-    def parse(text):
-        items = [t.strip() for t in text.split(",") if t.strip()]
-        bad = [t for t in items if t not in choices]
-        if bad or not items:
-            raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(bad) or repr(text)}; "
-                                             f"choose from {','.join(choices)}")
-        return items
-
-    return parse
-
-
-def int_list(text):
-    """argparse type: comma-separated positive ints."""
-    try:
-        values = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
-    return values
-
-
-def shard_spec(text):
-    """argparse type: I/K with 1 <= I <= K."""
-    try:
-        i, k = (int(t) for t in text.split("/"))
-    except ValueError:
-        i = k = 0
-    if not 1 <= i <= k:
-        raise argparse.ArgumentTypeError(f"expected I/K with 1 <= I <= K (e.g. 2/4), got {text!r}")
-    return i, k
 
 
 # --- implementations ------------------------------------------------------------------------------

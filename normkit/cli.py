@@ -2,6 +2,9 @@
 
 The sweep (`normkit check`) runs every op x dtype x representative shape, forward and backward,
 through the public API on the best available device and compares with normkit.reference in fp64.
+
+Nothing here imports torch or Triton before the arguments are parsed (the commands import them), so
+`normkit --help`, `--version` and usage errors answer at once.
 """
 
 from __future__ import annotations
@@ -9,13 +12,39 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import os
+import re
 import sys
 import time
+
+from normkit import __version__, bench_plan
 
 OPS = ("layer_norm", "rms_norm", "softmax", "log_softmax", "add_layer_norm", "add_rms_norm",
        "group_norm", "batch_norm")
 DEVICE_SHAPES = [(1, 1), (3, 7), (128, 1023), (1151, 1024), (64, 4096), (3, 40999), (2, 1 << 20)]
 INTERPRETER_SHAPES = [(1, 1), (3, 7), (130, 1023), (2, 4096), (2, 40999)]
+# --quick under the interpreter: every op, fwd + bwd, every dtype, both backends' kernels, on rows small
+# enough for Triton's interpreter (it runs each program in numpy: with (130, 1023) among them, --quick
+# took 6.6 minutes on 2 cores, nearly all of it on that shape). 1030 columns: past the NPU backend's
+# 1024-column tile (its column loop runs twice, the second tile masked); a masked tile on CUDA.
+QUICK_INTERPRETER_SHAPES = [(3, 7), (2, 1030)]
+DTYPES = ("float16", "bfloat16", "float32")
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line on stderr (exit status 2): the command, the
+    argument, what was given and what is accepted; `--help` has the usage."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def rows_shape(text: str) -> tuple[int, int]:
+    """argparse type of `normkit info --shape`: M,N or MxN, two positive integers."""
+    match = re.fullmatch(r"\s*(\d+)\s*[,xX]\s*(\d+)\s*", text)
+    if not match or min(int(v) for v in match.groups()) < 1:
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected M,N or MxN, two positive integers such "
+                                         "as 16,4096 or 16x4096")  # fmt: skip
+    return int(match[1]), int(match[2])
 
 
 def _version(dist: str) -> str | None:
@@ -37,19 +66,35 @@ def _triton_range():
                  and r.marker.evaluate({"extra": "cuda"})), None)  # fmt: skip
 
 
+def _shapes(shapes) -> str:
+    return ", ".join(f"{m}x{n}" for m, n in shapes)
+
+
 def _executors(args):
+    """(executors, shapes) that `normkit check` runs for these arguments."""
     import torch
 
     from normkit.testing import Executor, npu_status
 
     if args.interpret:
-        return [Executor("cuda", "cpu"), Executor("npu", "cpu")], INTERPRETER_SHAPES
+        shapes = QUICK_INTERPRETER_SHAPES if args.quick else INTERPRETER_SHAPES
+        return [Executor("cuda", "cpu"), Executor("npu", "cpu")], shapes
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "npu" if npu_status()[0] else "cpu"
+    executor, shapes = Executor(device, device), DEVICE_SHAPES
     if device == "cpu":
-        return [Executor("reference", "cpu")], DEVICE_SHAPES[:-1]
-    return [Executor(device, device)], DEVICE_SHAPES
+        executor, shapes = Executor("reference", "cpu"), DEVICE_SHAPES[:-1]
+    return [executor], shapes[:3] if args.quick else shapes
+
+
+def _available_devices() -> list[str]:
+    """The --device values that `normkit check` can run here."""
+    import torch
+
+    from normkit.testing import npu_status
+
+    return ["cpu"] + ["cuda"] * torch.cuda.is_available() + ["npu"] * npu_status()[0]
 
 
 def _has_triton() -> bool:
@@ -59,6 +104,11 @@ def _has_triton() -> bool:
 
 
 def cmd_check(args) -> int:
+    if args.interpret and args.device not in ("auto", "cpu"):
+        print(f"normkit check: --device {args.device} with --interpret: the interpreter runs the kernels on "
+              "CPU tensors; drop --interpret to check the device, or --device (auto or cpu)",
+              file=sys.stderr)  # fmt: skip
+        return 2
     if args.interpret:
         if not _has_triton():
             print('normkit check --interpret: needs the `triton` module; pip install "normkit[cuda]"',
@@ -71,15 +121,16 @@ def cmd_check(args) -> int:
     from normkit.testing import check_case
 
     executors, shapes = _executors(args)
-    if args.quick:
-        shapes = shapes[:3]
     for ex in executors:
         ok, reason = ex.status()
-        if not ok:
-            print(f"normkit check: {ex.name} is unavailable: {reason}", file=sys.stderr)
-            return 1
-    groups = [(ex, op, dtype) for ex in executors for op in OPS
-              for dtype in (torch.float16, torch.bfloat16, torch.float32) if dtype in ex.dtypes]  # fmt: skip
+        if not ok:  # exit 2 like any usage error (and `normkit bench`); 1 means a check failed
+            given = "--interpret" if args.interpret else f"--device {args.device}"
+            also = ", or --interpret" if _has_triton() and not args.interpret else ""
+            print(f"normkit check: {given}: {ex.name} is unavailable ({reason}); available here: "
+                  f"--device {', '.join(_available_devices())}{also}", file=sys.stderr)  # fmt: skip
+            return 2
+    dtypes = [getattr(torch, name) for name in DTYPES]
+    groups = [(ex, op, dtype) for ex in executors for op in OPS for dtype in dtypes if dtype in ex.dtypes]
     from tqdm import tqdm
 
     rows, failures, start = [], 0, time.perf_counter()
@@ -111,7 +162,7 @@ def cmd_check(args) -> int:
         print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)))
     elapsed = time.perf_counter() - start
     print(f"\n{len(rows) - failures}/{len(rows)} op x dtype groups passed in {elapsed:.1f}s "
-          f"(fwd + bwd vs fp64 reference; shapes {', '.join(f'{m}x{n}' for m, n in shapes)})")
+          f"(fwd + bwd vs fp64 reference; shapes {_shapes(shapes)})")
     if executors[0].backend == "reference":
         print("No GPU/NPU found: checked the CPU reference. `normkit check --interpret` runs both "
               "backends' Triton kernels through the Triton interpreter.")
@@ -155,7 +206,7 @@ def cmd_info(args) -> int:
     if args.shape and not _has_triton():
         print('launch configs: need the `triton` module (pip install "normkit[cuda]", or "normkit[npu]")')
     elif args.shape:
-        m, n = (int(v) for v in args.shape.split(","))
+        m, n = args.shape
         dtype = getattr(torch, args.dtype)
         from normkit.backends.cuda import config as cuda_config
         from normkit.backends.npu import config as npu_config
@@ -218,13 +269,12 @@ or re-run one command until it has done everything (results are saved after each
 
 
 def add_bench_parser(sub):
-    """The `normkit bench` subcommand and its arguments."""
-    from normkit import bench
-
+    """The `normkit bench` subcommand and its arguments (from normkit.bench_plan: no torch)."""
+    bench = bench_plan  # what normkit.bench re-exports, without importing torch
     p = sub.add_parser(
         "bench", help="GB/s and fraction of copy: normkit vs torch vs torch.compile, Liger, quack (CUDA) or "
                       "torch_npu (NPU)",
-        description=bench.__doc__.split("\n\n")[0], epilog=BENCH_EPILOG,
+        description=bench.DESCRIPTION, epilog=BENCH_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
     p.add_argument("--suite", type=bench.comma_list(bench.SUITES, "suite"), metavar="LIST",
@@ -265,11 +315,13 @@ def add_bench_parser(sub):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="normkit", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = Parser(prog="normkit", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"normkit {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{info,check,bench}")
     info = sub.add_parser("info", help="versions (is Triton in the tested range), devices, fast paths, "
                                        "the backend serving each device type")
-    info.add_argument("--shape", help="M,N: also print the launch configs chosen for these rows")
+    info.add_argument("--shape", type=rows_shape, metavar="M,N",
+                      help="also print the launch configs chosen for M rows of N (M,N or MxN, e.g. 16x4096)")
     info.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32", "float64"])
     info.set_defaults(fn=cmd_info)
     check = sub.add_parser("check", help="fwd+bwd of every op x dtype x shape vs the fp64 reference "
@@ -278,7 +330,9 @@ def main(argv=None) -> int:
                        help="device to check (auto: cuda, else npu, else the CPU reference)")
     check.add_argument("--interpret", action="store_true",
                        help="run both backends' Triton kernels on CPU tensors through the Triton interpreter")
-    check.add_argument("--quick", action="store_true", help="only the first three shapes")
+    check.add_argument("--quick", action="store_true",
+                       help=f"fewer, smaller shapes: with --interpret {_shapes(QUICK_INTERPRETER_SHAPES)} "
+                            f"(under a minute on 2 cores), else {_shapes(DEVICE_SHAPES[:3])}")
     check.set_defaults(fn=cmd_check)
     add_bench_parser(sub)
     args = parser.parse_args(argv)

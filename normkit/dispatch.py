@@ -113,18 +113,20 @@ def use_backend(device_type: str, module_name: str) -> Iterator[None]:
         _OVERRIDES.reset(token)
 
 
-def check_devices(input: torch.Tensor, **others: torch.Tensor | None) -> None:
+def check_devices(input: torch.Tensor, *, op: str | None = None, input_name: str = "input",
+                  **others: torch.Tensor | None) -> None:
     """Every tensor of ``others`` (argument name -> tensor or None) on ``input``'s device, or an
-    error naming the argument."""
+    error naming the argument (prefixed with ``op: `` when given, as the other argument errors)."""
     for name, tensor in others.items():
         if tensor is not None and tensor.device != input.device:
             raise InvalidArgument(
-                f"{name} is on device {tensor.device} but input is on {input.device}; "
-                f"all tensors of one call must be on the same device"
+                f"{op + ': ' if op else ''}{name} is on device {tensor.device} but {input_name} is on "
+                f"{input.device}; all tensors of one call must be on the same device"
             )
 
 
-def backend_for_tensors(input: torch.Tensor, **others: torch.Tensor | None) -> ModuleType:
+def backend_for_tensors(input: torch.Tensor, *, op: str | None = None, input_name: str = "input",
+                        **others: torch.Tensor | None) -> ModuleType:
     """Backend for ``input``'s device, after checking every other tensor lives on that device."""
-    check_devices(input, **others)
+    check_devices(input, op=op, input_name=input_name, **others)
     return backend_for(input.device)

@@ -303,23 +303,25 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):
                     lambda x, weight: F.rms_norm(x, normalized_shape, weight, eps))  # fmt: skip
 
 
-def _softmax(op, fn, input, dim, dtype):
+def _softmax(op, fn, input, dim, stacklevel, dtype):
+    # stacklevel + 2: the implicit-dim warning points at the caller, through this module's two frames
+    level = stacklevel + 2 if type(stacklevel) is int else stacklevel
     if _plain(input):
-        return fn(input, dim, dtype)
+        return fn(input, dim, level, dtype)
     bad = set(range(input.dim())) if not isinstance(dim, numbers.Integral) or input.dim() == 0 else {
         dim % input.dim()}  # fmt: skip
     return _sharded(op, input, "input", bad, f"Replicate() or Shard(d) with d != dim ({dim})", {},
-                    lambda x: fn(x, dim, dtype))  # fmt: skip
+                    lambda x: fn(x, dim, level, dtype))  # fmt: skip
 
 
-def softmax(input, dim=-1, dtype=None):
+def softmax(input, dim=None, _stacklevel=3, dtype=None):
     """:func:`normkit.functional.softmax`, also on DTensors not sharded along ``dim``."""
-    return _softmax("softmax", F.softmax, input, dim, dtype)
+    return _softmax("softmax", F.softmax, input, dim, _stacklevel, dtype)
 
 
-def log_softmax(input, dim=-1, dtype=None):
+def log_softmax(input, dim=None, _stacklevel=3, dtype=None):
     """:func:`normkit.functional.log_softmax`, also on DTensors not sharded along ``dim``."""
-    return _softmax("log_softmax", F.log_softmax, input, dim, dtype)
+    return _softmax("log_softmax", F.log_softmax, input, dim, _stacklevel, dtype)
 
 
 # --- fused residual add + dropout + norm ----------------------------------------------------------

@@ -11,3 +11,7 @@ class InvalidArgument(ValueError, RuntimeError):
 
 class InvalidDtype(TypeError, RuntimeError):
     """A dtype that the operation (or the backend serving the device) does not accept."""
+
+
+class InvalidDim(InvalidArgument, IndexError):
+    """A ``dim`` out of range for the input: also an IndexError, as torch raises for the same call."""

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
+import warnings
 from types import ModuleType
 from typing import Sequence
 
 import torch
 
 from normkit import dispatch, ops, reference
-from normkit.errors import InvalidArgument, InvalidDtype
+from normkit.errors import InvalidArgument, InvalidDim, InvalidDtype
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -45,10 +47,9 @@ def _normalized_shape(op: str, input: torch.Tensor, normalized_shape, name="inpu
         shape = tuple(normalized_shape)
     elif isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
         shape = (int(normalized_shape),)
-    elif isinstance(normalized_shape, Sequence) and all(
-        isinstance(d, numbers.Integral) and not isinstance(d, bool) for d in normalized_shape
-    ):
-        shape = tuple(int(d) for d in normalized_shape)
+    elif isinstance(normalized_shape, Sequence) and None not in (
+            dims := [_as_index(d) for d in normalized_shape]):  # fmt: skip
+        shape = tuple(dims)  # numpy ints or 0-dim integer tensors too, as torch accepts
     else:
         raise TypeError(
             f"{op}: normalized_shape must be an int or a sequence of ints, got {normalized_shape!r}"
@@ -63,12 +64,14 @@ def _normalized_shape(op: str, input: torch.Tensor, normalized_shape, name="inpu
     return shape
 
 
-def _check_param(op: str, name: str, value, shape: tuple[int, ...]) -> None:
+def _check_param(op: str, name: str, value, shape: tuple[int, ...], per_channel=False) -> None:
+    """``value`` None or a float tensor of ``shape``: normalized_shape for the row norms, (C,) for the
+    channel norms (``per_channel``: GroupNorm, InstanceNorm, BatchNorm)."""
     _check_tensor(op, name, value, required=False)
     if value is not None and tuple(value.shape) != shape:
-        raise InvalidArgument(
-            f"{op}: {name} has shape {list(value.shape)}; expected normalized_shape {list(shape)}"
-        )
+        expected = (f"shape {list(shape)} (num_channels: one entry per channel of input, input.shape[1])"
+                    if per_channel else f"normalized_shape {list(shape)}")  # fmt: skip
+        raise InvalidArgument(f"{op}: {name} has shape {list(value.shape)}; expected {expected}")
 
 
 def _check_param_dtypes(op: str, input: torch.Tensor, **params: torch.Tensor | None) -> None:
@@ -95,14 +98,54 @@ def _check_param_dtypes(op: str, input: torch.Tensor, **params: torch.Tensor | N
             )
 
 
+def _as_index(value) -> int | None:
+    """``value`` as an int where torch takes it for an int argument (an int, a numpy integer, a
+    0-dim integer tensor), else None; never a bool (torch refuses those too)."""
+    if type(value) is int:
+        return value
+    if isinstance(value, bool) or (
+            isinstance(value, torch.Tensor) and (value.dim() or value.dtype == torch.bool)):  # fmt: skip
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _tensor_scalar(value):
+    """A 0-dim real tensor that does not require grad, read to a Python number, as torch's argument
+    parser reads a tensor given for a float argument (eps, momentum); None for any other value (a
+    tensor that requires grad, has dims, or holds a bool or a complex number)."""
+    if (isinstance(value, torch.Tensor) and value.dim() == 0 and not value.requires_grad
+            and value.dtype != torch.bool and not value.dtype.is_complex):  # fmt: skip
+        return value.item()
+    return None
+
+
+_REAL = "a real number (or a 0-dim real tensor that does not require grad)"
+
+
 def _check_eps(op: str, eps) -> float:
     if type(eps) is float and 0 <= eps < math.inf:  # the common case, without the ABC checks
         return eps
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
-        raise TypeError(f"{op}: eps must be a real number >= 0, got {eps!r}")
-    if not (eps >= 0 and math.isfinite(eps)):
-        raise InvalidArgument(f"{op}: eps must be a finite number >= 0, got {eps!r}")
-    return float(eps)
+    value = _tensor_scalar(eps) if isinstance(eps, torch.Tensor) else eps
+    if value is None or isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{op}: eps must be {_REAL} >= 0, got {eps!r}")
+    if not (value >= 0 and math.isfinite(value)):
+        raise InvalidArgument(f"{op}: eps must be a finite number >= 0, got {eps!r}; accepted: 0 <= eps "
+                              f"< inf (a negative, inf or nan eps is refused on purpose)")  # fmt: skip
+    return float(value)
+
+
+def _check_momentum(op: str, momentum) -> float:
+    """momentum as a float: a real number or a 0-dim tensor, as torch reads it (None is torch's
+    TypeError too: the modules' momentum=None, a cumulative average, is theirs to resolve)."""
+    if type(momentum) is float:
+        return momentum
+    value = _tensor_scalar(momentum) if isinstance(momentum, torch.Tensor) else momentum
+    if value is None or isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{op}: momentum must be {_REAL}, got {momentum!r}")
+    return float(value)
 
 
 def _backend(op: str, input: torch.Tensor, name="input", **params) -> ModuleType | None:
@@ -110,11 +153,11 @@ def _backend(op: str, input: torch.Tensor, name="input", **params) -> ModuleType
     traces (the custom ops pick the backend when they run, and the backend lookup reads a
     ContextVar that Dynamo cannot trace)."""
     if torch.compiler.is_compiling():
-        dispatch.check_devices(input, **params)
+        dispatch.check_devices(input, op=op, input_name=name, **params)
         return None
     backend = dispatch.served(input.device)
     if backend is not None and input.dtype in backend.SUPPORTED_DTYPES:
-        dispatch.check_devices(input, **params)
+        dispatch.check_devices(input, op=op, input_name=name, **params)
         return backend
     table = dispatch.registered()
     if input.device.type not in table:
@@ -122,7 +165,7 @@ def _backend(op: str, input: torch.Tensor, name="input", **params) -> ModuleType
             f"{op}: {name} is on device type '{input.device.type}', which no normkit backend "
             f"serves; supported device types: {', '.join(sorted(table))}"
         )
-    backend = dispatch.backend_for_tensors(input, **params)
+    backend = dispatch.backend_for_tensors(input, op=op, input_name=name, **params)
     if input.dtype not in backend.SUPPORTED_DTYPES:
         raise InvalidDtype(
             f"{op}: {name} has dtype {input.dtype}, which the {backend.NAME} backend serving "
@@ -300,6 +343,18 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     return _shaped(y, input)
 
 
+def _rms_weight(op: str, input, weight: torch.Tensor) -> torch.Tensor:
+    """An integer or bool RMSNorm weight as torch uses one: in the input's math dtype (float32, or
+    float64 for a float64 input), as torch's rms_norm multiplies by it (type promotion) and returns
+    the input's dtype. A complex weight is refused (torch would drop its imaginary part)."""
+    if weight.dtype.is_complex:
+        raise InvalidDtype(f"{op}: weight has dtype {weight.dtype}; accepted: {_dtype_names(_FLOAT_DTYPES)}, "
+                           f"or an integer or bool dtype (a complex weight is refused: torch would drop its "
+                           f"imaginary part)")  # fmt: skip
+    f64 = isinstance(input, torch.Tensor) and input.dtype == torch.float64
+    return weight.to(torch.float64 if f64 else torch.float32)
+
+
 def rms_norm(input, normalized_shape, weight=None, eps=None):
     """Same signature and semantics as :func:`torch.nn.functional.rms_norm`.
 
@@ -312,6 +367,8 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):
     plan = _stored_plan(key)
     if plan is not None:
         return plan(input, None, weight, None)
+    if isinstance(weight, torch.Tensor) and weight.dtype not in _FLOAT_DTYPES:
+        weight, key = _rms_weight("rms_norm", input, weight), None  # no plan keyed by the integer weight
     backend, x, p, eps = _prepare("rms_norm", input, normalized_shape, eps, weight=weight)
     plan = _plan(key, backend, "plan_row_norm", x, p["weight"], None, eps, True)
     if plan is not None:
@@ -320,24 +377,40 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):
     return _shaped(y, input)
 
 
-def _softmax(op: str, input, dim, dtype, log: bool):
+def _softmax(op: str, input, dim, stacklevel, dtype, log: bool):
     along_last = type(dim) is int and type(input) is torch.Tensor and input.dim() > 0 and (
         dim in (-1, input.dim() - 1))
+    if type(stacklevel) is not int and isinstance(stacklevel, torch.dtype):
+        raise TypeError(f"{op}: the third positional argument is _stacklevel, as in torch.nn.functional."
+                        f"{op}, got the dtype {stacklevel}; pass dtype={stacklevel} by keyword")  # fmt: skip
     key = _plan_key(op, input, (), True if along_last and dtype is None else None)
     plan = _stored_plan(key)
     if plan is not None:
         return plan(input)
-    _check_tensor(op, "input", input, required=True)
+    if not isinstance(input, torch.Tensor):
+        raise TypeError(f"{op}: input must be a torch.Tensor, got {type(input).__name__}")
     if dtype is not None:
         if not isinstance(dtype, torch.dtype) or dtype not in _FLOAT_DTYPES:
             raise InvalidDtype(f"{op}: dtype must be one of {_dtype_names(_FLOAT_DTYPES)} or None, "
                                f"got {dtype!r}")  # fmt: skip
-        input = input.to(dtype)  # as torch: cast first, so the result (and its math) is in dtype
-    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
-        raise TypeError(f"{op}: dim must be an int, got {dim!r}")
+        if input.dtype.is_complex:
+            raise InvalidDtype(f"{op}: input has dtype {input.dtype}; accepted with dtype={dtype}: a real "
+                               f"(float, integer or bool) dtype (a complex input is refused: the cast "
+                               f"would drop its imaginary part)")  # fmt: skip
+        input = input.to(dtype)  # as torch: cast first (integer inputs too), so the math is in dtype
+    _check_tensor(op, "input", input, required=True)
+    if dim is None:  # torch's implicit choice (deprecated), its warning included
+        warnings.warn(f"Implicit dimension choice for {op} has been deprecated. "
+                      "Change the call to include dim=X as an argument.", stacklevel=stacklevel)  # fmt: skip
+        dim = 0 if input.dim() in (0, 1, 3) else 1
+    elif type(dim) is not int:
+        index = _as_index(dim)
+        if index is None:
+            raise TypeError(f"{op}: dim must be an int (or None), got {dim!r}")
+        dim = index
     ndim = max(input.dim(), 1)
     if not -ndim <= dim < ndim:
-        raise InvalidArgument(
+        raise InvalidDim(
             f"{op}: dim {dim} is out of range for input with {input.dim()} dims; "
             f"expected a value in [{-ndim}, {ndim - 1}]"
         )
@@ -357,14 +430,16 @@ def _softmax(op: str, input, dim, dtype, log: bool):
     return y.reshape(()) if input.dim() == 0 else y if last else y.movedim(-1, dim)
 
 
-def softmax(input, dim=-1, dtype=None):
-    """Same semantics as :func:`torch.nn.functional.softmax` (``dim`` defaults to the last)."""
-    return _softmax("softmax", input, dim, dtype, log=False)
+def softmax(input, dim=None, _stacklevel=3, dtype=None):
+    """Same signature and semantics as :func:`torch.nn.functional.softmax`: ``dim=None`` is torch's
+    deprecated implicit choice (0 for 0-, 1- and 3-dim inputs, else 1) with torch's warning;
+    ``dtype`` casts the input first (integer and bool inputs too)."""
+    return _softmax("softmax", input, dim, _stacklevel, dtype, log=False)
 
 
-def log_softmax(input, dim=-1, dtype=None):
-    """Same semantics as :func:`torch.nn.functional.log_softmax` (``dim`` defaults to the last)."""
-    return _softmax("log_softmax", input, dim, dtype, log=True)
+def log_softmax(input, dim=None, _stacklevel=3, dtype=None):
+    """Same signature and semantics as :func:`torch.nn.functional.log_softmax` (see :func:`softmax`)."""
+    return _softmax("log_softmax", input, dim, _stacklevel, dtype, log=True)
 
 
 def _add_norm(op, x, residual, normalized_shape, weight, bias, eps, dropout_p, seed, residual_dtype,
@@ -374,30 +449,37 @@ def _add_norm(op, x, residual, normalized_shape, weight, bias, eps, dropout_p, s
     key = _plan_key(op, x, (residual, weight, bias), _shape_key(normalized_shape),
                     eps if type(eps) is float and plain else None, (residual_dtype,), prenorm)  # fmt: skip
     plan = _stored_plan(key)
-    if plan is not None:
+    if plan is not None:  # (only keys whose residual has x's shape get a plan: see below)
         y, h = plan(x, residual, weight, bias)
         return (y, h) if prenorm else y
+    if residual is not None and isinstance(residual, torch.Tensor) and isinstance(x, torch.Tensor) and (
+            residual.shape != x.shape):  # fmt: skip
+        # x's shape from here on; no plan keyed by the residual's own shape
+        residual, key = _broadcast_residual(op, x, residual), None
     if residual is not None:
         _check_tensor(op, "residual", residual, required=True)
-        if isinstance(x, torch.Tensor) and residual.shape != x.shape:
-            raise InvalidArgument(
-                f"{op}: residual has shape {list(residual.shape)}; expected x's shape {list(x.shape)}"
-            )
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0 <= dropout_p < 1:
-        raise InvalidArgument(f"{op}: dropout_p must be a number in [0, 1), got {dropout_p!r}")
+    if type(dropout_p) is not float:
+        dropout_p = _dropout_p(op, dropout_p)
+    if not 0 <= dropout_p <= 1:
+        raise InvalidArgument(f"{op}: dropout_p must be a number in [0, 1], got {dropout_p!r}")
     if seed is None:
         # Drawn from torch's CPU generator (reproducible under torch.manual_seed; no device sync).
-        seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if dropout_p > 0 else 0
+        # None drawn for p = 1, which drops every element (F.dropout(p=1) draws nothing either).
+        seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if 0 < dropout_p < 1 else 0
     elif isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2**63:
         raise InvalidArgument(f"{op}: seed must be an int in [0, 2**63) or None, got {seed!r}")
     if residual_dtype is not None and residual_dtype not in _FLOAT_DTYPES:
         raise InvalidDtype(f"{op}: residual_dtype must be one of {_dtype_names(_FLOAT_DTYPES)} or "
                            f"None, got {residual_dtype!r}")  # fmt: skip
+    if is_rms and isinstance(weight, torch.Tensor) and weight.dtype not in _FLOAT_DTYPES:
+        weight, key = _rms_weight(op, x, weight), None  # as rms_norm's; no plan keyed by the integer weight
     params = dict(weight=weight) if is_rms else dict(weight=weight, bias=bias)
     # LayerNorm's parameters follow torch.nn.functional.layer_norm's dtype rule
     backend, rows, p, eps = _prepare(op, x, normalized_shape, eps, input_name="x", torch_dtypes=not is_rms,
                                      **params)  # fmt: skip
-    dispatch.check_devices(x, residual=residual)  # same device, or an error naming residual
+    dispatch.check_devices(x, op=op, input_name="x", residual=residual)  # or an error naming residual
+    if dropout_p == 1:  # every element dropped (F.dropout(p=1) is zeros): h = residual, x's gradient 0
+        rows, dropout_p = rows.mul(0).nan_to_num(0.0, 0.0, 0.0), 0.0  # (1 / (1 - p) would be inf)
     h_dtype = residual_dtype or (residual.dtype if residual is not None else x.dtype)
     for name, dtype in (("residual", None if residual is None else residual.dtype), ("h", h_dtype)):
         if backend is not None and dtype is not None and dtype not in backend.SUPPORTED_DTYPES:
@@ -415,18 +497,42 @@ def _add_norm(op, x, residual, normalized_shape, weight, bias, eps, dropout_p, s
     return (y, h) if prenorm else y
 
 
+def _broadcast_residual(op: str, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """A residual whose shape broadcasts to x's, expanded to x's shape (a copy: the kernels read
+    rows); its gradient comes back summed to its own shape, as autograd of ``x + residual`` gives."""
+    try:
+        shape = torch.broadcast_shapes(residual.shape, x.shape)
+    except RuntimeError:
+        shape = None
+    if shape != x.shape:
+        raise InvalidArgument(f"{op}: residual has shape {list(residual.shape)}; expected x's shape "
+                              f"{list(x.shape)} or a shape that broadcasts to it")  # fmt: skip
+    return residual.expand(x.shape).contiguous()
+
+
+def _dropout_p(op: str, dropout_p) -> float:
+    """dropout_p as a float: a real number or a 0-dim tensor (as F.dropout reads p)."""
+    value = _tensor_scalar(dropout_p) if isinstance(dropout_p, torch.Tensor) else dropout_p
+    if value is None or isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidArgument(f"{op}: dropout_p must be a number in [0, 1], got {dropout_p!r}")
+    return float(value)
+
+
 def add_layer_norm(x, residual, normalized_shape, weight=None, bias=None, eps=1e-5, dropout_p=0.0,
                    seed=None, residual_dtype=None, prenorm=False):  # fmt: skip
     """``h = dropout(x) + residual; y = layer_norm(h)`` in one pass. Returns y, or (y, h) with
     ``prenorm=True``.
 
-    - ``residual`` may be None (h = dropout(x)). h is kept in ``residual_dtype`` (default: the
+    - ``residual`` may be None (h = dropout(x)), or of any shape that broadcasts to x's (its
+      gradient then comes back summed to its shape). h is kept in ``residual_dtype`` (default: the
       residual's dtype, else x's), e.g. an fp32 residual stream with bf16 activations; y is in x's
       dtype.
     - Dropout keeps each element of x with probability 1 - ``dropout_p`` and scales it by
-      1 / (1 - dropout_p). The mask is never stored: it is a function of (``seed``, element index),
-      regenerated in the backward, so the same seed gives the same mask on every call. ``seed=None``
-      draws one from torch's default CPU generator.
+      1 / (1 - dropout_p); a dropped element is 0. The mask is never stored: it is a function of
+      (``seed``, element index), regenerated in the backward, so the same seed gives the same mask on
+      every call. ``seed=None`` draws one from torch's default CPU generator. ``dropout_p=1`` drops
+      every element (h = residual, x's gradient 0) and draws no seed.
+    - ``eps`` and ``dropout_p`` may be 0-dim tensors (read with ``.item()``, as torch reads them).
     - Gradients flow to x, residual, weight and bias (and into h's own uses when returned).
     """
     return _add_norm("add_layer_norm", x, residual, normalized_shape, weight, bias, eps, dropout_p,
@@ -443,6 +549,22 @@ def add_rms_norm(x, residual, normalized_shape, weight=None, eps=None, dropout_p
                      seed, residual_dtype, prenorm, is_rms=True)  # fmt: skip
 
 
+def _num_groups(op: str, num_groups) -> int:
+    """num_groups as an int (a numpy integer or 0-dim integer tensor too, as torch takes), or
+    torch's TypeError for another type (a bool or float included)."""
+    index = _as_index(num_groups)
+    if index is None:
+        raise TypeError(f"{op}: num_groups must be a positive int, got {num_groups!r}")
+    return index
+
+
+def _divisors(n: int) -> str:
+    """The divisors of n as a short text (the accepted num_groups for n channels)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0] if n > 0 else []
+    found = sorted(set(small + [n // d for d in small]))
+    return ", ".join(map(str, found[:12])) + (", ..." if len(found) > 12 else "") if found else "none"
+
+
 def _group_norm(op, input, num_groups, weight, bias, eps, key=None):
     """-> (y, mean (N * G,), rstd (N * G,)) after validation; statistics are not differentiable.
     With a plan key (``_plan_key``), a call its plan serves returns (y, None, None)."""
@@ -450,15 +572,18 @@ def _group_norm(op, input, num_groups, weight, bias, eps, key=None):
     if input.dim() < 2:
         raise InvalidArgument(f"{op}: input must have shape (N, C, *), got {list(input.shape)}")
     C = input.shape[1]
-    if isinstance(num_groups, bool) or not isinstance(num_groups, numbers.Integral) or num_groups <= 0:
-        raise InvalidArgument(f"{op}: num_groups must be a positive int, got {num_groups!r}")
+    if type(num_groups) is not int:
+        num_groups = _num_groups(op, num_groups)
+    if num_groups <= 0:
+        raise InvalidArgument(f"{op}: num_groups must be a positive int, got {num_groups!r}; "
+                              f"accepted: a divisor of the {C} channels ({_divisors(C)})")  # fmt: skip
     if C % num_groups:
         raise InvalidArgument(
             f"{op}: num_groups {num_groups} does not divide the {C} channels of input with shape "
-            f"{list(input.shape)}; expected C % num_groups == 0"
+            f"{list(input.shape)}; expected C % num_groups == 0 (accepted: {_divisors(C)})"
         )
     for name, value in (("weight", weight), ("bias", bias)):
-        _check_param(op, name, value, (C,))
+        _check_param(op, name, value, (C,), per_channel=True)
     eps = _check_eps(op, eps)
     backend = _backend(op, input, weight=weight, bias=bias)  # a served device and dtype, or an error
     _check_param_dtypes("group_norm", input, weight=weight, bias=bias)
@@ -478,8 +603,10 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
     plan = _stored_plan(key)
     if plan is not None:
         return plan(input, None, weight, bias)
-    if (isinstance(input, torch.Tensor) and input.dim() >= 2 and isinstance(num_groups, int)
-            and num_groups > 0 and input.shape[1] % num_groups == 0
+    if type(num_groups) is not int:
+        num_groups = _num_groups("group_norm", num_groups)
+    if (isinstance(input, torch.Tensor) and input.dim() >= 2 and num_groups > 0
+            and input.shape[1] % num_groups == 0
             and input.shape[0] * (input.shape[1] // num_groups) * math.prod(input.shape[2:]) == 1):
         # torch's own check (N * C / G * spatial == 1), message included
         raise InvalidArgument(
@@ -487,6 +614,14 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
             f"got input shape {list(input.shape)} with num_groups {num_groups}"
         )
     return _group_norm("group_norm", input, num_groups, weight, bias, eps, key)[0]
+
+
+def _check_both_or_neither(op: str, running_mean, running_var) -> None:
+    """torch's rule: the running statistics come together or not at all."""
+    if (running_mean is None) != (running_var is None):
+        given, missing = ("running_mean", "running_var")[:: 1 if running_var is None else -1]
+        raise InvalidArgument(f"{op}: {given} is given but {missing} is None; accepted: both running_mean "
+                              f"and running_var, or neither (as torch.nn.functional.{op})")  # fmt: skip
 
 
 def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=None,
@@ -501,23 +636,19 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
     """
     op = "instance_norm"
     _check_tensor(op, "input", input, required=True)
-    for name, value in (("running_mean", running_mean), ("running_var", running_var)):
-        if value is not None:
-            _check_tensor(op, name, value, required=True)
-            if input.dim() >= 2 and tuple(value.shape) != (input.shape[1],):
-                raise InvalidArgument(f"{op}: {name} has shape {list(value.shape)}; expected "
-                                      f"[{input.shape[1]}] (one entry per channel)")  # fmt: skip
-    if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real):
-        raise TypeError(f"{op}: momentum must be a real number, got {momentum!r}")
     if input.dim() < 2:
         raise InvalidArgument(f"{op}: input must have shape (N, C, *), got {list(input.shape)}")
+    for name, value in (("running_mean", running_mean), ("running_var", running_var)):
+        _check_param(op, name, value, (input.shape[1],), per_channel=True)
+    _check_both_or_neither(op, running_mean, running_var)
+    momentum = _check_momentum(op, momentum)
     stats = dict(running_mean=running_mean, running_var=running_var)
     if not use_input_stats:
         if running_mean is None or running_var is None:
             raise InvalidArgument(f"{op}: use_input_stats=False needs running_mean and running_var")
         for name, value in (("weight", weight), ("bias", bias)):
-            _check_param(op, name, value, (input.shape[1],))
-        _check_eps(op, eps)
+            _check_param(op, name, value, (input.shape[1],), per_channel=True)
+        eps = _check_eps(op, eps)
         _backend(op, input, weight=weight, bias=bias, **stats)
         _check_param_dtypes("instance_norm", input, weight=weight, bias=bias)
         shape = (1, -1) + (1,) * (input.dim() - 2)
@@ -528,8 +659,9 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
     if math.prod(input.shape[2:]) == 1:  # as torch: whatever the batch size (empty included)
         raise InvalidArgument(f"{op}: expected more than 1 spatial element per channel when "
                               f"use_input_stats=True, got input shape {list(input.shape)}")  # fmt: skip
-    dispatch.check_devices(input, **stats)
+    dispatch.check_devices(input, op=op, **stats)
     C = input.shape[1]
+    eps = _check_eps(op, eps)
     y, mean, rstd = _group_norm(op, input, C or 1, weight, bias, eps)
     if (running_mean is not None or running_var is not None) and input.numel():
         # (an empty input leaves the running statistics as they are, as torch does for HW = 0)
@@ -567,11 +699,13 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
     C = input.shape[1]
     for name, value in (("running_mean", running_mean), ("running_var", running_var),
                         ("weight", weight), ("bias", bias)):  # fmt: skip
-        _check_param(op, name, value, (C,))
-    if not training and (running_mean is None or running_var is None):
+        _check_param(op, name, value, (C,), per_channel=True)
+    if (running_mean is None) != (running_var is None):
+        _check_both_or_neither(op, running_mean, running_var)
+    if not training and running_mean is None:
         raise InvalidArgument(f"{op}: running_mean and running_var are required when training=False")
-    if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real):
-        raise TypeError(f"{op}: momentum must be a real number, got {momentum!r}")
+    if type(momentum) is not float:
+        momentum = _check_momentum(op, momentum)
     eps = _check_eps(op, eps)
     if training and eps == 0:  # as torch (2.13): rstd would be inf for a constant channel
         raise InvalidArgument(f"{op}: eps must be positive when training, got {eps!r}; accepted: eps > 0")

@@ -176,8 +176,8 @@ class _AddNorm:
 
     def _init_add(self, dropout_p, prenorm, residual_dtype, seed) -> None:
         name = type(self).__name__
-        if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0 <= dropout_p < 1:
-            raise InvalidArgument(f"{name}: dropout_p must be a number in [0, 1), got {dropout_p!r}")
+        if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0 <= dropout_p <= 1:
+            raise InvalidArgument(f"{name}: dropout_p must be a number in [0, 1], got {dropout_p!r}")
         if residual_dtype is not None and not isinstance(residual_dtype, torch.dtype):
             raise InvalidArgument(f"{name}: residual_dtype must be a torch.dtype or None, "
                                   f"got {residual_dtype!r}")  # fmt: skip

@@ -199,7 +199,7 @@ def test_reference_gradcheck(op):
 @pytest.mark.parametrize(
     "kwargs,error,words",
     [
-        (dict(dropout_p=1.0), normkit.InvalidArgument, ["dropout_p", "1.0", "[0, 1)"]),
+        (dict(dropout_p=1.5), normkit.InvalidArgument, ["dropout_p", "1.5", "[0, 1]"]),
         (dict(dropout_p=-0.1), normkit.InvalidArgument, ["dropout_p", "-0.1"]),
         (dict(dropout_p="0.1"), normkit.InvalidArgument, ["dropout_p", "'0.1'"]),
         (dict(seed=-1), normkit.InvalidArgument, ["seed", "-1"]),

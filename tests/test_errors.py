@@ -105,19 +105,33 @@ def test_parameter_of_wrong_shape(op, name):
         PARAM_CALLS[op](_x(), **params)
     bad = str(PARAM_SIZE.get(op, C) + 1)
     _check(info, name, f"[{bad}]", f"[{PARAM_SIZE.get(op, C)}]")
+    if op not in PARAM_SIZE:  # the channel norms have no normalized_shape argument: C is named
+        assert "normalized_shape" not in str(info.value)
+        _check(info, f"expected shape [{C}] (num_channels")
 
 
 @pytest.mark.parametrize("op,name", [(op, n) for op in PARAM_CALLS for n in _params(op)], ids=str)
 def test_parameter_on_another_device(op, name):
+    """Named with the op's prefix, as every other argument error (it lacked it)."""
     params = {n: _good(op, n) for n in _params(op)}
     params[name] = params[name].to("meta")
     with pytest.raises(normkit.InvalidArgument) as info:
         PARAM_CALLS[op](_x(), **params)
     _check(info, name, "meta", "cpu", "same device")
+    assert str(info.value).startswith(f"{op.split('-')[0]}: {name} is on device meta"), str(info.value)
 
 
-@pytest.mark.parametrize("op,name", [(op, n) for op in PARAM_CALLS for n in _params(op)], ids=str)
-@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.complex64], ids=str)
+@pytest.mark.parametrize("op", ["add_layer_norm", "add_rms_norm"])
+def test_residual_on_another_device(op):
+    with pytest.raises(normkit.InvalidArgument) as info:
+        getattr(normkit, op)(_x(), _x(device="meta"), 5)
+    assert str(info.value).startswith(f"{op}: residual is on device meta but x is on cpu"), str(info.value)
+
+
+@pytest.mark.parametrize("op,name,dtype", [
+    (op, n, d) for op in PARAM_CALLS for n in _params(op) for d in (torch.int32, torch.bool, torch.complex64)
+    if "rms" not in op or d.is_complex  # RMSNorm takes integer and bool weights, as torch (test_torch_parity)
+], ids=str)  # fmt: skip
 def test_parameter_of_non_float_dtype(op, name, dtype):
     params = {n: _good(op, n) for n in _params(op)}
     params[name] = params[name].to(dtype)
@@ -180,16 +194,20 @@ def test_rms_norm_accepts_any_float_weight_like_torch():
 
 
 @pytest.mark.parametrize("groups,error,words", [
-    (4, normkit.InvalidArgument, ["num_groups 4", "6 channels", "C % num_groups == 0"]),
+    (4, normkit.InvalidArgument, ["num_groups 4", "6 channels", "C % num_groups == 0", "1, 2, 3, 6"]),
     (12, normkit.InvalidArgument, ["num_groups 12", "6 channels"]),
-    (-3, normkit.InvalidArgument, ["num_groups", "-3", "positive int"]),
-    (True, normkit.InvalidArgument, ["num_groups", "True", "positive int"]),
-    (3.0, normkit.InvalidArgument, ["num_groups", "3.0", "positive int"]),
-], ids=["4", "12", "negative", "bool", "float"])  # fmt: skip
+    (-3, normkit.InvalidArgument, ["num_groups", "-3", "positive int", "1, 2, 3, 6"]),
+    (True, TypeError, ["num_groups", "True", "positive int"]),
+    (3.0, TypeError, ["num_groups", "3.0", "positive int"]),
+    (torch.tensor(3.0), TypeError, ["num_groups", "tensor(3.)", "positive int"]),
+], ids=["4", "12", "negative", "bool", "float", "float-tensor"])  # fmt: skip
 def test_num_groups(groups, error, words):
+    """A wrong type is a TypeError, as torch's (a numpy int or 0-dim integer tensor is accepted:
+    tests/test_torch_parity.py)."""
     with pytest.raises(error) as info:
         normkit.group_norm(_x(), groups)
-    _check(info, *words)
+    for word in words:
+        assert word in str(info.value), f"{word!r} not in {info.value}"
 
 
 @pytest.mark.parametrize("op", ["softmax", "log_softmax"])
@@ -201,16 +219,20 @@ def test_dim_out_of_range(op, shape, dim, accepted):
     with pytest.raises(normkit.InvalidArgument) as info:
         getattr(normkit, op)(torch.randn(shape), dim)
     _check(info, "dim", str(dim), accepted)
+    assert isinstance(info.value, IndexError)  # as torch's error for the same call
     with pytest.raises(IndexError):  # torch rejects the same dims
         getattr(F, op)(torch.randn(shape), dim)
 
 
 @pytest.mark.parametrize("op", ["softmax", "log_softmax"])
-@pytest.mark.parametrize("dim", [1.0, "1", None, True], ids=repr)
+@pytest.mark.parametrize("dim", [1.0, "1", True, torch.tensor(1.0), torch.tensor([1]), (1,)], ids=repr)
 def test_dim_of_wrong_type(op, dim):
+    """As torch: TypeError (None, numpy ints and 0-dim integer tensors are accepted)."""
     with pytest.raises(TypeError) as info:
         getattr(normkit, op)(torch.randn(3, 4), dim)
     assert "dim" in str(info.value) and repr(dim) in str(info.value)
+    with pytest.raises(TypeError):
+        getattr(F, op)(torch.randn(3, 4), dim)
 
 
 EPS_CALLS = {
@@ -230,10 +252,20 @@ EPS_CALLS = {
     (float("inf"), normkit.InvalidArgument, ["eps", "inf", "finite"]),
     (float("nan"), normkit.InvalidArgument, ["eps", "nan"]),
     ("1e-5", TypeError, ["eps", "'1e-5'", "real number"]),
-    (torch.tensor(1e-5), TypeError, ["eps", "tensor"]),
-], ids=["negative", "inf", "nan", "str", "tensor"])  # fmt: skip
+    (torch.tensor([1e-5]), TypeError, ["eps", "tensor([1.0000e-05])", "0-dim"]),
+    (torch.tensor(1e-5, requires_grad=True), TypeError, ["eps", "requires_grad=True",
+                                                         "does not require grad"]),
+    (torch.tensor(-1e-5), normkit.InvalidArgument, ["eps", "tensor(-1.0000e-05)", ">= 0"]),
+    (torch.tensor(float("nan")), normkit.InvalidArgument, ["eps", "nan"]),
+    (torch.tensor(1e-5j), TypeError, ["eps", "real number"]),
+    (True, TypeError, ["eps", "True", "real number"]),
+], ids=["negative", "inf", "nan", "str", "1d-tensor", "tensor-requiring-grad", "negative-tensor",
+        "nan-tensor", "complex-tensor", "bool"])  # fmt: skip
 @pytest.mark.parametrize("op", EPS_CALLS)
 def test_eps(op, eps, error, words):
+    """A negative, inf or nan eps is refused on purpose (torch gives NaN rows; docs/testing.md), a
+    bool too (torch reads True as 1.0); a tensor that is not a 0-dim real one that does not
+    require grad is torch's TypeError too. A valid 0-dim tensor is accepted (test_torch_parity)."""
     with pytest.raises(error) as info:
         EPS_CALLS[op](eps)
     for word in words:
@@ -241,11 +273,14 @@ def test_eps(op, eps, error, words):
 
 
 @pytest.mark.parametrize("op", ["add_layer_norm", "add_rms_norm"])
-@pytest.mark.parametrize("p", [float("nan"), float("inf"), 1.5, -0.0001, True, None], ids=repr)
+@pytest.mark.parametrize("p", [float("nan"), float("inf"), 1.5, -0.0001, True, None, torch.tensor([0.1]),
+                               torch.tensor(1.5)], ids=repr)  # fmt: skip
 def test_dropout_p_outside_0_1(op, p):
+    """p = 1 is accepted (every element dropped, as F.dropout(p=1)): tests/test_torch_parity.py."""
     with pytest.raises(normkit.InvalidArgument) as info:
         getattr(normkit, op)(_x(), None, 5, dropout_p=p)
-    _check(info, "dropout_p", repr(p), "[0, 1)")
+    _check(info, "dropout_p", "[0, 1]")
+    assert repr(p) in str(info.value) or str(float(p)) in str(info.value), str(info.value)
 
 
 @pytest.mark.parametrize("op", ["add_layer_norm", "add_rms_norm"])
@@ -317,3 +352,95 @@ def test_backend_dtype_error_names_the_backend():
             with pytest.raises(normkit.InvalidDtype) as info:
                 call(_x(dtype=torch.float64))
             _check(info, "float64", "npu backend", "float32")
+
+
+@pytest.mark.parametrize("op", ["batch_norm", "instance_norm"])
+@pytest.mark.parametrize("momentum", [None, True, "0.1", torch.tensor([0.1]),
+                                      torch.tensor(0.1, requires_grad=True)], ids=repr)  # fmt: skip
+def test_momentum_refused(op, momentum):
+    """None is torch's TypeError too (the modules' momentum=None, a cumulative average, is resolved
+    by the modules); a bool is refused (torch reads True as 1.0). Real numbers and 0-dim tensors are
+    accepted (test_torch_parity)."""
+    with pytest.raises(TypeError) as info:
+        if op == "batch_norm":
+            normkit.batch_norm(_x(), torch.zeros(C), torch.ones(C), training=True, momentum=momentum)
+        else:
+            normkit.instance_norm(_x(), torch.zeros(C), torch.ones(C), momentum=momentum)
+    assert str(info.value).startswith(f"{op}: momentum must be a real number"), str(info.value)
+    assert repr(momentum) in str(info.value)
+    if momentum is None:
+        with pytest.raises(TypeError):
+            getattr(F, op)(_x(), torch.zeros(C), torch.ones(C), momentum=None)
+
+
+@pytest.mark.parametrize("call", [
+    lambda m, rm, rv: m.batch_norm(_x(), rm, rv, training=True),
+    lambda m, rm, rv: m.batch_norm(_x(), rm, rv, training=False),
+    lambda m, rm, rv: m.instance_norm(_x(), rm, rv),
+    lambda m, rm, rv: m.instance_norm(_x(), rm, rv, use_input_stats=False),
+], ids=["batch_norm-training", "batch_norm-eval", "instance_norm", "instance_norm-running"])  # fmt: skip
+@pytest.mark.parametrize("given", ["running_mean", "running_var"])
+def test_running_statistics_both_or_neither(call, given):
+    """As torch: running_mean and running_var together or not at all (normkit took one alone)."""
+    rm, rv = (torch.zeros(C), None) if given == "running_mean" else (None, torch.ones(C))
+    with pytest.raises((ValueError, RuntimeError)):
+        call(F, rm, rv)
+    with pytest.raises(normkit.InvalidArgument) as info:
+        call(normkit, rm, rv)
+    _check(info, f"{given} is given", "None", "both running_mean and running_var, or neither")
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm"])
+def test_complex_rms_weight_refused(op):
+    """Deliberate: torch casts a complex weight to the input's dtype with a warning (the imaginary
+    part dropped); integer and bool weights are accepted as torch does (test_torch_parity)."""
+    w = torch.ones(5, dtype=torch.complex64)
+    with pytest.raises(normkit.InvalidDtype) as info:
+        normkit.rms_norm(_x(), (5,), w) if op == "rms_norm" else normkit.add_rms_norm(_x(), None, 5, w)
+    _check(info, op, "weight", "complex64", "float32", "integer or bool")
+
+
+@pytest.mark.parametrize("op", ["softmax", "log_softmax"])
+def test_softmax_complex_input_with_dtype_refused(op):
+    """Deliberate: torch casts a complex input to ``dtype`` with a warning, dropping its imaginary
+    part; integer and bool inputs are cast (test_torch_parity)."""
+    with pytest.raises(normkit.InvalidDtype) as info:
+        getattr(normkit, op)(_x(dtype=torch.complex64), -1, dtype=torch.float32)
+    _check(info, "input", "complex64", "dtype=torch.float32", "real")
+
+
+@pytest.mark.parametrize("op", ["softmax", "log_softmax"])
+def test_softmax_dtype_in_the_stacklevel_slot(op):
+    """torch's third positional argument is _stacklevel, which ignores a dtype put there (the result
+    stays in the input's dtype); normkit's was dtype. Deliberate: normkit refuses a dtype there
+    rather than ignore it, naming the keyword to use."""
+    x = torch.randn(3, 4)
+    assert getattr(F, op)(x, -1, torch.float64).dtype == torch.float32  # torch ignores it
+    with pytest.raises(TypeError) as info:
+        getattr(normkit, op)(x, -1, torch.float64)
+    _check_words = ["_stacklevel", "torch.float64", "dtype=torch.float64"]
+    for word in _check_words:
+        assert word in str(info.value), str(info.value)
+    assert getattr(normkit, op)(x, -1, _stacklevel=4, dtype=torch.float64).dtype == torch.float64
+
+
+@pytest.mark.parametrize("op", ["add_layer_norm", "add_rms_norm"])
+@pytest.mark.parametrize("x_shape,r_shape", [((4, 6, 5), (6, 4)), ((4, 6, 5), (2, 6, 5)), ((6, 5), (4, 6, 5)),
+                                             ((5,), (6, 5))], ids=str)  # fmt: skip
+def test_residual_that_does_not_broadcast_to_x(op, x_shape, r_shape):
+    """A residual whose shape broadcasts to x's is accepted (test_torch_parity); one that does not,
+    or that x would broadcast to (torch's dropout(x) + residual would take the larger shape), is
+    refused: normkit's y and h have x's shape."""
+    with pytest.raises(normkit.InvalidArgument) as info:
+        getattr(normkit, op)(torch.randn(x_shape), torch.randn(r_shape), 5)
+    _check(info, f"{op}: residual", str(list(r_shape)), str(list(x_shape)), "broadcasts to it")
+
+
+@pytest.mark.parametrize("shape", [(8.0,), (True,), ("8",), torch.tensor([8]), 8.0], ids=repr)
+def test_normalized_shape_of_wrong_type(shape):
+    """As torch: TypeError (numpy ints and 0-dim integer tensors inside a sequence are accepted)."""
+    with pytest.raises(TypeError) as info:
+        normkit.layer_norm(torch.randn(3, 8), shape)
+    assert "normalized_shape" in str(info.value)
+    with pytest.raises(TypeError):
+        F.layer_norm(torch.randn(3, 8), shape)

@@ -265,7 +265,7 @@ def test_add_norm_state_dict_and_repr(cls):
 
 
 @pytest.mark.parametrize("kwargs,words", [
-    (dict(dropout_p=1.0), ["dropout_p", "1.0", "[0, 1)"]),
+    (dict(dropout_p=1.5), ["dropout_p", "1.5", "[0, 1]"]),
     (dict(dropout_p="0.1"), ["dropout_p", "'0.1'"]),
     (dict(residual_dtype="float32"), ["residual_dtype", "'float32'"]),
     (dict(seed=1.5), ["seed", "1.5"]),

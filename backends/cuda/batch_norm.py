@@ -112,7 +112,9 @@ def _stats_merge_kernel(
     eps,
     eps_lo,  # eps - fp32(eps): fp64 kernels add it back (exact_eps)
     momentum,
+    momentum_lo,  # momentum - fp32(momentum): fp64 kernels add it back (exact_eps), as the tails below
     unbias,  # count / (count - 1)
+    unbias_lo,
     BLOCK: tl.constexpr,  # channels per program
     HAS_RM: tl.constexpr,
     HAS_RV: tl.constexpr,
@@ -136,12 +138,13 @@ def _stats_merge_kernel(
     var = m2 / seen
     tl.store(Mean + c, mean, mask=cm)
     tl.store(Rstd + c, 1.0 / tl.sqrt(var + exact_eps(eps, eps_lo, ACC)), mask=cm)
+    m = exact_eps(momentum, momentum_lo, ACC)
     if HAS_RM:
         rm = tl.load(RMean + c, mask=cm, other=0.0).to(ACC)
-        tl.store(RMean + c, ((1 - momentum) * rm + momentum * mean).to(RMean.dtype.element_ty), mask=cm)
+        tl.store(RMean + c, ((1 - m) * rm + m * mean).to(RMean.dtype.element_ty), mask=cm)
     if HAS_RV:
         rv = tl.load(RVar + c, mask=cm, other=0.0).to(ACC)
-        rv = (1 - momentum) * rv + momentum * (var * unbias)
+        rv = (1 - m) * rv + m * (var * exact_eps(unbias, unbias_lo, ACC))
         tl.store(RVar + c, rv.to(RVar.dtype.element_ty), mask=cm)
 
 
@@ -316,7 +319,9 @@ def _fwd_split_kernel(
     eps,
     eps_lo,  # eps - fp32(eps): fp64 kernels add it back (exact_eps)
     momentum,
+    momentum_lo,  # momentum - fp32(momentum): fp64 kernels add it back (exact_eps), as unbias_lo
     unbias,  # count / (count - 1)
+    unbias_lo,
     CHUNK: tl.constexpr,  # values per program
     VEC: tl.constexpr,  # values per run: a power of two dividing HW
     KP: tl.constexpr,  # power of two >= K
@@ -369,11 +374,12 @@ def _fwd_split_kernel(
         if k == 0:
             tl.store(Mean + c, shift + mean)
             tl.store(Rstd + c, rstd)
+            m = exact_eps(momentum, momentum_lo, ACC)
             if HAS_RM:
-                rm = (1 - momentum) * tl.load(RMean + c).to(ACC) + momentum * (shift + mean)
+                rm = (1 - m) * tl.load(RMean + c).to(ACC) + m * (shift + mean)
                 tl.store(RMeanOut + c, rm.to(RMeanOut.dtype.element_ty))
             if HAS_RV:
-                rv = (1 - momentum) * tl.load(RVar + c).to(ACC) + momentum * (var * unbias)
+                rv = (1 - m) * tl.load(RVar + c).to(ACC) + m * (var * exact_eps(unbias, unbias_lo, ACC))
                 tl.store(RVarOut + c, rv.to(RVarOut.dtype.element_ty))
         scale = rstd
         if HAS_W:
@@ -703,10 +709,11 @@ def batch_norm_stats(x, eps, momentum=0.0, running_mean=None, running_var=None):
     mean = torch.empty(C, dtype=acc, device=x.device)
     rstd = torch.empty_like(mean)
     count = N * HW
+    unbias = count / max(1, count - 1)
     launch(_stats_merge_kernel, (triton.cdiv(C, config.MERGE_BLOCK),), x, part[0], part[1], mean, rstd,
            x if running_mean is None else running_mean, x if running_var is None else running_var, N, C, HW,
            cfg.samples, cfg.parts, eps, config.eps_tail(eps, x.device), float(momentum),
-           count / max(1, count - 1), BLOCK=config.MERGE_BLOCK, HAS_RM=running_mean is not None,
+           config.eps_tail(float(momentum), x.device), unbias, config.eps_tail(unbias, x.device), BLOCK=config.MERGE_BLOCK, HAS_RM=running_mean is not None,
            HAS_RV=running_var is not None, ACC=tl_acc, num_warps=4)  # fmt: skip
     return mean, rstd
 
@@ -759,6 +766,7 @@ def _split_forward(cfg, shape, dtype, device, eps, has_w, has_b, has_rm, has_rv)
                          PIPELINE=cfg.prefetch, SPIN=cfg.spin, num_warps=cfg.num_warps,
                          maxnreg=cfg.maxnreg)  # fmt: skip
     eps_lo, unbias = config.eps_tail(eps, device), L / max(1, L - 1)
+    unbias_lo = config.eps_tail(unbias, device)
 
     def forward(x, w, b, rm, rv, rm_out, rv_out, momentum):
         part, count = coop.workspace(C, 2, cfg.split, acc, x.device)
@@ -767,7 +775,8 @@ def _split_forward(cfg, shape, dtype, device, eps, has_w, has_b, has_rm, has_rv)
         rstd = torch.empty_like(mean)
         bound(x, y, x if w is None else w, x if b is None else b, mean, rstd, x if rm is None else rm,
               x if rv is None else rv, x if rm_out is None else rm_out, x if rv_out is None else rv_out, part,
-              count, L, C, HW, cfg.split, eps, eps_lo, float(momentum), unbias)  # fmt: skip
+              count, L, C, HW, cfg.split, eps, eps_lo, float(momentum),
+              config.eps_tail(float(momentum), x.device), unbias, unbias_lo)  # fmt: skip
         return y, mean, rstd
 
     return forward

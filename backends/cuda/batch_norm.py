@@ -713,7 +713,8 @@ def batch_norm_stats(x, eps, momentum=0.0, running_mean=None, running_var=None):
     launch(_stats_merge_kernel, (triton.cdiv(C, config.MERGE_BLOCK),), x, part[0], part[1], mean, rstd,
            x if running_mean is None else running_mean, x if running_var is None else running_var, N, C, HW,
            cfg.samples, cfg.parts, eps, config.eps_tail(eps, x.device), float(momentum),
-           config.eps_tail(float(momentum), x.device), unbias, config.eps_tail(unbias, x.device), BLOCK=config.MERGE_BLOCK, HAS_RM=running_mean is not None,
+           config.eps_tail(float(momentum), x.device), unbias, config.eps_tail(unbias, x.device),
+           BLOCK=config.MERGE_BLOCK, HAS_RM=running_mean is not None,
            HAS_RV=running_var is not None, ACC=tl_acc, num_warps=4)  # fmt: skip
     return mean, rstd
 

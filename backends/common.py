@@ -116,25 +116,53 @@ def residual_grad(dh, dh_ptrs, dres_ptrs, mask, seed, offsets, p, scale,
     return dh
 
 
-# --- GroupNorm: one (sample, group) row of L = (C / G) * HW contiguous elements --------------------
+# --- GroupNorm: one (sample, group) row of L = (C / G) * HW elements -------------------------------
+# A row is contiguous in an (N, C, HW) input; in a channels-last one (memory (N, HW, C): NHWC,
+# NDHWC) it is HW runs of Cg contiguous channels, C apart. ``CL`` picks the layout; in it the row's
+# element j is (position j // Cg, channel j % Cg), so consecutive j stay contiguous in memory.
+
+
+def channels_last(x) -> bool:
+    """Whether an (N, C, HW) input of the channel norms' contract is channels-last (strides
+    (HW * C, 1, C)) rather than contiguous: the front end hands the kernels one of the two."""
+    return not x.is_contiguous()
 
 
 @triton.jit
-def group_norm_row_fwd(X, Y, W, B, Mean, Rstd, row, G, L, HW, Cg, inv_l, eps,
+def group_norm_at(row, j, G, C, HW, Cg, CL: tl.constexpr):
+    """Offsets and channels (within the group) of elements ``j`` of row ``row`` = (n, g)."""
+    if CL:
+        base = tl.cast(row // G, tl.int64) * HW * C + (row % G) * Cg
+        return base + (j // Cg) * C + j % Cg, j % Cg
+    else:
+        return tl.cast(row, tl.int64) * (Cg * HW) + j, j // HW
+
+
+@triton.jit
+def group_norm_channel_at(row, cl, p, G, C, HW, Cg, CL: tl.constexpr):
+    """Offsets of positions ``p`` (of HW) of channel ``cl`` (within the group) of row ``row``."""
+    if CL:
+        return tl.cast(row // G, tl.int64) * HW * C + (row % G) * Cg + cl + p * C
+    else:
+        return tl.cast(row, tl.int64) * (Cg * HW) + cl * HW + p
+
+
+@triton.jit
+def group_norm_row_fwd(X, Y, W, B, Mean, Rstd, row, G, C, L, HW, Cg, inv_l, eps,
                        BLOCK: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-                       ACC: tl.constexpr):  # fmt: skip
-    """Normalize row ``row`` = (n, g) of a contiguous (N, C, HW) input; channel of element j is
-    g * Cg + j // HW. Statistics of x - x[row, 0] merged tile by tile (Chan). ``inv_l`` = 1 / L,
+                       ACC: tl.constexpr, CL: tl.constexpr):  # fmt: skip
+    """Normalize row ``row`` = (n, g) of an (N, C, HW) input, contiguous or channels-last (``CL``).
+    Statistics of x - (the row's first element) merged tile by tile (Chan). ``inv_l`` = 1 / L,
     correctly rounded by the caller."""
-    base = tl.cast(row, tl.int64) * L
     cols = tl.arange(0, BLOCK)
-    shift = tl.load(X + base).to(ACC)
+    shift = tl.load(X + group_norm_at(row, 0, G, C, HW, Cg, CL)[0]).to(ACC)
     mean = tl.zeros((), ACC)
     m2 = tl.zeros((), ACC)
     for start in range(0, L, BLOCK):
         offs = start + cols
         mask = offs < L
-        xs = tl.where(mask, tl.load(X + base + offs, mask=mask, other=0.0).to(ACC) - shift, 0.0)
+        at, _ = group_norm_at(row, offs, G, C, HW, Cg, CL)
+        xs = tl.where(mask, tl.load(X + at, mask=mask, other=0.0).to(ACC) - shift, 0.0)
         count = tl.cast(tl.minimum(L - start, BLOCK), ACC)
         mean, m2 = chan_merge(mean, m2, xs, mask, tl.cast(start, ACC), count)
     rstd = 1.0 / tl.sqrt(m2 * inv_l + eps)
@@ -144,22 +172,22 @@ def group_norm_row_fwd(X, Y, W, B, Mean, Rstd, row, G, L, HW, Cg, inv_l, eps,
     for start in range(0, L, BLOCK):
         offs = start + cols
         mask = offs < L
-        y = (tl.load(X + base + offs, mask=mask, other=0.0).to(ACC) - shift - mean) * rstd
+        at, ch = group_norm_at(row, offs, G, C, HW, Cg, CL)
+        y = (tl.load(X + at, mask=mask, other=0.0).to(ACC) - shift - mean) * rstd
         if HAS_W:
-            y = y * tl.load(W + c0 + offs // HW, mask=mask, other=0.0).to(ACC)
+            y = y * tl.load(W + c0 + ch, mask=mask, other=0.0).to(ACC)
         if HAS_B:
-            y = y + tl.load(B + c0 + offs // HW, mask=mask, other=0.0).to(ACC)
-        tl.store(Y + base + offs, y.to(Y.dtype.element_ty), mask=mask)
+            y = y + tl.load(B + c0 + ch, mask=mask, other=0.0).to(ACC)
+        tl.store(Y + at, y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def group_norm_row_bwd(X, DY, DX, W, Mean, Rstd, DW_part, DB_part, row, G, C, L, HW, Cg, inv_l,
                        BLOCK: tl.constexpr, HAS_W: tl.constexpr, HAS_DB: tl.constexpr,
-                       ACC: tl.constexpr):  # fmt: skip
+                       ACC: tl.constexpr, CL: tl.constexpr):  # fmt: skip
     """Backward of one (n, g) row. Sweep 1 walks the row channel by channel: the per-channel sums
     of dy * xhat and dy are the dweight / dbias partials of sample n (row n of the (N, C) partial
     buffers), and weighted by w_c they add up to the row's two dx terms. Sweep 2 writes dx."""
-    base = tl.cast(row, tl.int64) * L
     n = row // G
     c0 = (row % G) * Cg
     mean = tl.load(Mean + row)
@@ -173,7 +201,7 @@ def group_norm_row_bwd(X, DY, DX, W, Mean, Rstd, DW_part, DB_part, row, G, C, L,
         for start in range(0, HW, BLOCK):
             offs = start + cols
             mask = offs < HW
-            at = base + cl * HW + offs
+            at = group_norm_channel_at(row, cl, offs, G, C, HW, Cg, CL)
             x = tl.load(X + at, mask=mask, other=0.0).to(ACC)
             dy = tl.load(DY + at, mask=mask, other=0.0).to(ACC)
             sum_dyx += tl.sum(tl.where(mask, (x - mean) * rstd, 0.0) * dy, axis=0)
@@ -199,7 +227,7 @@ def group_norm_row_bwd(X, DY, DX, W, Mean, Rstd, DW_part, DB_part, row, G, C, L,
         for start in range(0, HW, BLOCK):
             offs = start + cols
             mask = offs < HW
-            at = base + cl * HW + offs
+            at = group_norm_channel_at(row, cl, offs, G, C, HW, Cg, CL)
             x = tl.load(X + at, mask=mask, other=0.0).to(ACC)
             dy = tl.load(DY + at, mask=mask, other=0.0).to(ACC)
             dx = (w * dy - ((x - mean) * rstd * c1 + c2)) * rstd

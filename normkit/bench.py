@@ -902,6 +902,10 @@ def command(args) -> int:
     try:
         if args.merge:
             return _merge_command(args)
+        if getattr(args, "device", None) == "cpu" and not args.list:
+            from normkit import bench_cpu
+
+            return bench_cpu.command(args)
         return _bench_command(args)
     except UsageError as exc:
         print(f"normkit bench: {exc}", file=sys.stderr)

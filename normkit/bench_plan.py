@@ -22,7 +22,7 @@ IMPLS = ("normkit", "torch", "torch.compile", "liger", "quack", "torch_npu", "np
 # Measured only when named in --impls: normkit's NPU backend launched on CUDA tensors, to show what
 # the Ascend launch rules (1024-column tile, persistent grid) cost on a GPU. Not an NPU measurement.
 OPT_IN = ("npu-kernels-on-cuda",)
-DEVICES = ("auto", "cuda", "npu")  # --device; auto: cuda if available, else npu
+DEVICES = ("auto", "cuda", "npu", "cpu")  # --device; auto: cuda if available, else npu (never cpu)
 ROW_OPS = ("layer_norm", "rms_norm", "softmax", "log_softmax", "add_layer_norm", "add_rms_norm")
 IMAGE_OPS = ("group_norm", "batch_norm")
 DIM0_OPS = ("softmax_dim0", "log_softmax_dim0")

@@ -254,6 +254,9 @@ devices (--device, default auto: cuda if available, else npu):
         npu_add_rms_norm (forward only: torch_npu has no backward for it), npu_add_layer_norm;
         timed with torch.npu events and an L2 flush between runs; fp64 references on the CPU.
         torch.compile, Liger-Kernel and quack are not measured there (the table says why).
+  cpu   normkit and torch on CPU tensors: host time per call (us), forward and forward +
+        backward, 8 ops at 1x8, 16x4096, 4096x4096 (--ops, --dtypes: float32,bfloat16 by default;
+        suites do not apply); never chosen by auto
 
 Every result is checked against the fp64 reference before it is timed: `fail` = the
 implementation raised, `wrong` = output or gradient off the reference (exit status 1 after the
@@ -287,7 +290,8 @@ def add_bench_parser(sub):
                    help="row lengths N for the sweep, small, few and dim0 suites (M = 2^27 // N; few keeps "
                         "its M)")
     p.add_argument("--device", choices=bench.DEVICES, default="auto",
-                   help="device to measure on (auto: cuda if available, else npu; exit 2 when neither is)")
+                   help="device to measure on (auto: cuda if available, else npu; exit 2 when neither is; "
+                        "cpu: host time per call against torch)")
     p.add_argument("--impls", type=bench.comma_list(bench.IMPLS, "implementation"), metavar="LIST",
                    help=f"implementations (default: those of {','.join(bench.IMPLS)} importable and measured "
                         "on the device, except npu-kernels-on-cuda: normkit's NPU kernels launched on a CUDA "

@@ -18,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-from normkit import dispatch, ops, reference
+from normkit import cpu, dispatch, ops, reference
 from normkit.errors import InvalidArgument, InvalidDim, InvalidDtype
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -321,6 +321,13 @@ def _plan(key, backend, name: str, rows: torch.Tensor, *args):
     return plan
 
 
+def _native(input) -> bool:
+    """A call torch's own CPU operators may serve (:mod:`normkit.cpu`): a plain CPU tensor, no
+    backend override in effect (the tests' interpreter executors), outside a torch.compile trace."""
+    return (type(input) is torch.Tensor and input.is_cpu and not torch.compiler.is_compiling()
+            and not dispatch.overrides())  # fmt: skip
+
+
 def _shaped(rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``rows`` viewed in ``like``'s shape (no view when it already has it: no extra autograd node)."""
     return rows if rows.shape == like.shape else rows.view(like.shape)
@@ -328,6 +335,8 @@ def _shaped(rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     """Same signature and semantics as :func:`torch.nn.functional.layer_norm`."""
+    if _native(input) and (y := cpu.layer_norm(input, normalized_shape, weight, bias, eps)) is not None:
+        return y
     key = _plan_key("layer_norm", input, (weight, bias), _shape_key(normalized_shape),
                     eps if type(eps) is float else None)  # fmt: skip
     plan = _stored_plan(key)
@@ -362,6 +371,8 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):
     """
     if eps is None and isinstance(input, torch.Tensor) and input.dtype.is_floating_point:
         eps = torch.finfo(input.dtype).eps
+    if _native(input) and (y := cpu.rms_norm(input, normalized_shape, weight, eps)) is not None:
+        return y
     key = _plan_key("rms_norm", input, (weight,), _shape_key(normalized_shape),
                     eps if type(eps) is float else None)  # fmt: skip
     plan = _stored_plan(key)
@@ -383,6 +394,8 @@ def _softmax(op: str, input, dim, stacklevel, dtype, log: bool):
     if type(stacklevel) is not int and isinstance(stacklevel, torch.dtype):
         raise TypeError(f"{op}: the third positional argument is _stacklevel, as in torch.nn.functional."
                         f"{op}, got the dtype {stacklevel}; pass dtype={stacklevel} by keyword")  # fmt: skip
+    if _native(input) and (y := cpu.softmax(input, dim, dtype, log)) is not None:
+        return y
     key = _plan_key(op, input, (), True if along_last and dtype is None else None)
     plan = _stored_plan(key)
     if plan is not None:
@@ -444,6 +457,9 @@ def log_softmax(input, dim=None, _stacklevel=3, dtype=None):
 
 def _add_norm(op, x, residual, normalized_shape, weight, bias, eps, dropout_p, seed, residual_dtype,
               prenorm, is_rms):  # fmt: skip
+    if _native(x) and (out := cpu.add_norm(x, residual, normalized_shape, weight, bias, eps, dropout_p, seed,
+                                           residual_dtype, prenorm, is_rms)) is not None:  # fmt: skip
+        return out
     # a plan serves calls without dropout (and no seed)
     plain = seed is None and type(dropout_p) in (float, int) and dropout_p == 0
     key = _plan_key(op, x, (residual, weight, bias), _shape_key(normalized_shape),
@@ -565,6 +581,18 @@ def _divisors(n: int) -> str:
     return ", ".join(map(str, found[:12])) + (", ..." if len(found) > 12 else "") if found else "none"
 
 
+def _channels(x: torch.Tensor) -> torch.Tensor:
+    """An (N, C, HW) view of a channel norm's input as the kernels take it: contiguous, or
+    channels-last (channels_last / channels_last_3d inputs: strides (HW * C, 1, C)), read and
+    written in place; a copy for any other layout."""
+    if x.is_contiguous():
+        return x
+    N, C, HW = x.shape
+    if x.stride(1) == 1 and x.stride(2) == C and (N == 1 or x.stride(0) == C * HW):
+        return x
+    return x.contiguous()
+
+
 def _group_norm(op, input, num_groups, weight, bias, eps, key=None):
     """-> (y, mean (N * G,), rstd (N * G,)) after validation; statistics are not differentiable.
     With a plan key (``_plan_key``), a call its plan serves returns (y, None, None)."""
@@ -591,13 +619,15 @@ def _group_norm(op, input, num_groups, weight, bias, eps, key=None):
     plan = _plan(key, backend, "plan_group_norm", x, weight, bias, int(num_groups), eps)
     if plan is not None:
         return plan(input, None, weight, bias), None, None
-    y, mean, rstd = ops.group_norm_fwd(x.contiguous(), weight, bias, int(num_groups), eps)
-    return y.view(input.shape), mean, rstd
+    y, mean, rstd = ops.group_norm_fwd(_channels(x), weight, bias, int(num_groups), eps)
+    return y.view(input.shape), mean, rstd  # (in x's layout: channels-last stays so)
 
 
 def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
     """Same signature and semantics as :func:`torch.nn.functional.group_norm`: input (N, C, *),
     statistics per (sample, group of C / num_groups channels), per-channel weight and bias."""
+    if _native(input) and (y := cpu.group_norm(input, num_groups, weight, bias, eps)) is not None:
+        return y
     key = _plan_key("group_norm", input, (weight, bias), num_groups if type(num_groups) is int else None,
                     eps if type(eps) is float else None)  # fmt: skip
     plan = _stored_plan(key)
@@ -635,6 +665,9 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
     statistics normalize the input (a per-channel affine, computed with torch ops).
     """
     op = "instance_norm"
+    if _native(input) and (y := cpu.instance_norm(input, running_mean, running_var, weight, bias,
+                                                  use_input_stats, momentum, eps)) is not None:  # fmt: skip
+        return y
     _check_tensor(op, "input", input, required=True)
     if input.dim() < 2:
         raise InvalidArgument(f"{op}: input must have shape (N, C, *), got {list(input.shape)}")
@@ -685,6 +718,9 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
     statistics normalize the input. Forward and backward are deterministic.
     """
     op = "batch_norm"
+    if _native(input) and (y := cpu.batch_norm(input, running_mean, running_var, weight, bias, training,
+                                               momentum, eps)) is not None:  # fmt: skip
+        return y
     # momentum is an argument of the plan, not part of its key (nn.BatchNorm's cumulative average
     # passes a new one each step)
     key = _plan_key(op, input, (weight, bias, running_mean, running_var),
@@ -717,7 +753,12 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
                        running_var=running_var)  # fmt: skip
     # weight / bias as torch; the running statistics may be of any float dtype (docs/testing.md).
     _check_param_dtypes(op, input, weight=weight, bias=bias)
-    x = input.reshape(input.shape[0], C, math.prod(input.shape[2:])).contiguous()
+    x = _channels(input.reshape(input.shape[0], C, math.prod(input.shape[2:])))
+    cl = not x.is_contiguous()
+    if cl:
+        # channels-last: the same memory as a contiguous (N * HW, C, 1) batch, read in place (the
+        # same per-channel statistics over N * HW values), the output viewed back (channels-last)
+        x = input.movedim(1, -1).reshape(-1, C, 1)
     plan = _plan(key, backend, "plan_batch_norm", x, weight, bias, running_mean, running_var, eps, training)
     if plan is not None:
         return plan(input, weight, bias, running_mean, running_var, momentum)
@@ -732,8 +773,16 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
                 for buf, new in ((running_mean, out[3]), (running_var, out[4])):
                     if buf is not None:
                         buf.copy_(new)
-        return out[0].view(input.shape)
+        return _batch_shaped(out[0], input, cl)
     mean = running_mean.detach().to(acc)
     rstd = torch.rsqrt(running_var.detach().to(acc) + eps)
     y = ops.batch_norm_fwd(x, weight, bias, mean, rstd, False)
-    return y.view(input.shape)
+    return _batch_shaped(y, input, cl)
+
+
+def _batch_shaped(y: torch.Tensor, input: torch.Tensor, channels_last: bool) -> torch.Tensor:
+    """BatchNorm's (N, C, HW) output or, for a ``channels_last`` input, its (N * HW, C, 1) one, in
+    input's shape (and layout)."""
+    if not channels_last:
+        return y.view(input.shape)
+    return y.view(input.movedim(1, -1).shape).movedim(-1, 1)

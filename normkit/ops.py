@@ -333,7 +333,8 @@ add_norm_fwd.register_autograd(_add_norm_backward, setup_context=_add_norm_setup
 @custom_op("normkit::group_norm_fwd", mutates_args=())
 def group_norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], num_groups: int, eps: float
                    ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """x: (N, C, HW) contiguous -> (y, mean, rstd), statistics per (sample, group): (N * G,)."""
+    """x: (N, C, HW), contiguous or channels-last -> (y in x's layout, mean, rstd), statistics per
+    (sample, group): (N * G,)."""
     with _on(x.device):
         backend = _backend(x)
         out = backend.group_norm_fwd(x, weight, bias, num_groups, eps)
@@ -362,6 +363,14 @@ def _(dy, x, weight, mean, rstd, num_groups, bias_dtype):
     return torch.empty_like(x), *_fake_param_grads(x, weight, bias_dtype)
 
 
+def _in_layout_of(dy: Tensor, x: Tensor) -> Tensor:
+    """dy in x's layout (contiguous, or channels-last: the kernels read both alike); a copy only
+    where it is not."""
+    if x.is_contiguous():
+        return dy.contiguous()
+    return dy if dy.stride() == x.stride() else torch.empty_like(x, dtype=dy.dtype).copy_(dy)
+
+
 def _group_norm_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # no zero-filled gradients for the statistics outputs
     x, weight, bias, num_groups, ctx.eps = inputs
@@ -377,7 +386,7 @@ def _group_norm_backward(ctx, dy, _dmean, _drstd):
     if torch.is_grad_enabled():  # create_graph
         dx, dw, db = higher_order.group_norm(dy, x, weight, ctx.bias_dtype, ctx.num_groups, ctx.eps)
     else:
-        dx, dw, db = _bwd(ctx, group_norm_bwd)(dy.contiguous(), x, weight, mean, rstd, ctx.num_groups,
+        dx, dw, db = _bwd(ctx, group_norm_bwd)(_in_layout_of(dy, x), x, weight, mean, rstd, ctx.num_groups,
                                                 ctx.bias_dtype)  # fmt: skip
     return dx, dw if weight is not None else None, db if ctx.bias_dtype is not None else None, None, None
 

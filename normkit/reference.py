@@ -138,8 +138,15 @@ def add_rms_norm_bwd(dy, dh, h, weight, rstd, dropout_p, seed, x_dtype, residual
     return dx, dres, dweight
 
 
+def _in_layout(t, like):
+    """``t`` (contiguous) in ``like``'s strides: the channel norms' outputs keep a channels-last
+    input's layout, as the Triton backends write them."""
+    return t if like.is_contiguous() else torch.empty_like(like, dtype=t.dtype).copy_(t)
+
+
 def group_norm_fwd(x, weight, bias, num_groups, eps):
-    """x: (N, C, HW) -> (y in x.dtype, mean (N * G,), rstd (N * G,)); per-channel affine."""
+    """x: (N, C, HW), contiguous or channels-last -> (y in x.dtype and x's layout, mean (N * G,),
+    rstd (N * G,)); per-channel affine."""
     N, C, HW = x.shape
     rows = x.reshape(N * num_groups, C // num_groups * HW)
     y, mean, rstd = _norm_fwd(rows, None, None, eps, is_rms=False)
@@ -148,7 +155,7 @@ def group_norm_fwd(x, weight, bias, num_groups, eps):
         y = y * weight.to(y.dtype)[None, :, None]
     if bias is not None:
         y = y + bias.to(y.dtype)[None, :, None]
-    return y.to(x.dtype), mean, rstd
+    return _in_layout(y.to(x.dtype), x), mean, rstd
 
 
 def group_norm_bwd(dy, x, weight, mean, rstd, num_groups, bias_dtype):
@@ -162,7 +169,7 @@ def group_norm_bwd(dy, x, weight, mean, rstd, num_groups, bias_dtype):
     dbias = dyf.sum(dim=(0, 2)).to(bias_dtype) if bias_dtype is not None else None
     wdy = dyf * weight.to(acc)[None, :, None] if weight is not None else dyf
     dx, _, _ = _norm_bwd(wdy.reshape(rows.shape), rows, None, mean, rstd, None)
-    return dx.reshape(N, C, HW).to(x.dtype), dweight, dbias
+    return _in_layout(dx.reshape(N, C, HW).to(x.dtype), x), dweight, dbias
 
 
 def batch_norm_stats(x, eps, momentum=0.0, running_mean=None, running_var=None):

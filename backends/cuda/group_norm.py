@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from normkit.backends.common import exact_eps, group_norm_row_fwd, reciprocal
+from normkit.backends.common import channels_last, exact_eps, group_norm_row_fwd, reciprocal
 from normkit.backends.cuda import config, coop, layer_norm, reduce, smem
 from normkit.backends.cuda.launch import Bound, launch
 from normkit.backends.cuda.smem import cp, gl
@@ -30,8 +30,8 @@ from normkit.backends.cuda.smem import cp, gl
 
 @triton.jit
 def _fwd_fused_kernel(
-    X,  # (N, C, HW) contiguous input: rows = N * G rows of L = Cg * HW
-    Y,  # (N, C, HW) out
+    X,  # (N, C, HW) input, contiguous (rows = N * G rows of L = Cg * HW) or channels-last (CL)
+    Y,  # (N, C, HW) out, X's layout
     W,  # (C,) weight (unread unless HAS_W)
     B,  # (C,) bias (unread unless HAS_B)
     Mean,  # (N * G,) out, ACC
@@ -49,6 +49,7 @@ def _fwd_fused_kernel(
     HAS_B: tl.constexpr,
     ACC: tl.constexpr,
     STATS: tl.constexpr = True,  # write Mean / Rstd (False: an inference plan, nothing saved)
+    CL: tl.constexpr = False,  # X / Y channels-last: memory (N, HW, C); C = G * Cg
 ):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     ch = tl.arange(0, CB)
@@ -57,9 +58,14 @@ def _fwd_fused_kernel(
     row_mask = r < rows
     ch_mask = row_mask[:, None] & (ch < Cg)[None, :]  # [ROWS, CB]
     mask = ch_mask[:, :, None] & (hw < HW)[None, None, :]
-    at = (r.to(tl.int64) * L)[:, None, None] + (ch * HW)[None, :, None] + hw[None, None, :]
-    # statistics of x - x[row, 0]: exact sums for rows with a large mean (|mean| >> std)
-    shift = tl.load(X + r.to(tl.int64) * L, mask=row_mask, other=0.0).to(ACC)
+    if CL:
+        first = (r // G).to(tl.int64) * HW * (G * Cg) + (r % G) * Cg
+        at = first[:, None, None] + ch[None, :, None] + (hw * (G * Cg))[None, None, :]
+    else:
+        first = r.to(tl.int64) * L
+        at = first[:, None, None] + (ch * HW)[None, :, None] + hw[None, None, :]
+    # statistics of x - (the row's first element): exact sums for rows with a large mean
+    shift = tl.load(X + first, mask=row_mask, other=0.0).to(ACC)
     x = tl.where(mask, tl.load(X + at, mask=mask, other=0.0).to(ACC) - shift[:, None, None], 0.0)
     inv_l = reciprocal(L, ACC)
     mean = tl.sum(tl.sum(x, axis=2), axis=1) * inv_l
@@ -80,13 +86,14 @@ def _fwd_fused_kernel(
 
 @triton.jit
 def _fwd_looped_kernel(
-    X,  # (N, C, HW) contiguous input
-    Y,  # (N, C, HW) out
+    X,  # (N, C, HW) input, contiguous or channels-last (CL)
+    Y,  # (N, C, HW) out, X's layout
     W,  # (C,) weight (unread unless HAS_W)
     B,  # (C,) bias (unread unless HAS_B)
     Mean,  # (N * G,) out, ACC
     Rstd,  # (N * G,) out, ACC
     G,  # groups
+    C,
     L,  # row length (C / G) * HW
     HW,
     Cg,  # channels per group
@@ -96,18 +103,23 @@ def _fwd_looped_kernel(
     HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
     ACC: tl.constexpr,
+    CL: tl.constexpr = False,  # X / Y channels-last: memory (N, HW, C)
 ):
-    group_norm_row_fwd(X, Y, W, B, Mean, Rstd, tl.program_id(0), G, L, HW, Cg, reciprocal(L, ACC),
+    group_norm_row_fwd(X, Y, W, B, Mean, Rstd, tl.program_id(0), G, C, L, HW, Cg, reciprocal(L, ACC),
                        exact_eps(eps, eps_lo, ACC),
-                       BLOCK, HAS_W, HAS_B, ACC)  # fmt: skip
+                       BLOCK, HAS_W, HAS_B, ACC, CL)  # fmt: skip
 
 
 @triton.jit
-def _bwd_tile(X, DY, base, ch, ch_mask, hs, HW, HWB: tl.constexpr, ACC: tl.constexpr):
-    """Offsets, mask, x and dy of the [channels, HWB] tile at column ``hs`` of a row at ``base``."""
+def _bwd_tile(X, DY, base, ch, ch_mask, hs, C, HW, HWB: tl.constexpr, ACC: tl.constexpr, CL: tl.constexpr):
+    """Offsets, mask, x and dy of the [channels, HWB] tile at column ``hs`` of a row whose first
+    element is at ``base`` (channels-last: channels contiguous, positions C apart)."""
     hw = hs + tl.arange(0, HWB)
     mask = ch_mask[:, None] & (hw < HW)[None, :]
-    at = base + ch[:, None] * HW + hw[None, :]
+    if CL:
+        at = base + ch[:, None] + hw[None, :] * C
+    else:
+        at = base + ch[:, None] * HW + hw[None, :]
     x = tl.load(X + at, mask=mask, other=0.0).to(ACC)
     dy = tl.load(DY + at, mask=mask, other=0.0).to(ACC)
     return at, mask, x, dy
@@ -115,9 +127,9 @@ def _bwd_tile(X, DY, base, ch, ch_mask, hs, HW, HWB: tl.constexpr, ACC: tl.const
 
 @triton.jit
 def _bwd_kernel(
-    X,  # (N, C, HW) forward input
-    DY,  # (N, C, HW) output gradient, contiguous
-    DX,  # (N, C, HW) out
+    X,  # (N, C, HW) forward input, contiguous or channels-last (CL)
+    DY,  # (N, C, HW) output gradient, X's layout
+    DX,  # (N, C, HW) out, X's layout
     W,  # (C,) weight (unread unless HAS_W)
     Mean,  # (N * G,)
     Rstd,  # (N * G,)
@@ -132,11 +144,12 @@ def _bwd_kernel(
     HAS_W: tl.constexpr,
     HAS_DB: tl.constexpr,
     ACC: tl.constexpr,
+    CL: tl.constexpr = False,  # X / DY / DX channels-last: memory (N, HW, C)
 ):
     row = tl.program_id(0)
     n = row // G
     c0 = (row % G) * Cg
-    base = row.to(tl.int64) * Cg * HW
+    base = n.to(tl.int64) * HW * C + c0 if CL else row.to(tl.int64) * Cg * HW
     mean = tl.load(Mean + row)
     rstd = tl.load(Rstd + row)
     ci = tl.arange(0, CB)
@@ -148,7 +161,7 @@ def _bwd_kernel(
         t_dyx = tl.zeros([CB, HWB], ACC)  # tile accumulators, reduced once per channel block
         t_dy = tl.zeros([CB, HWB], ACC)
         for hs in range(0, HW, HWB):
-            _, mask, x, dy = _bwd_tile(X, DY, base, ch, ch_mask, hs, HW, HWB, ACC)
+            _, mask, x, dy = _bwd_tile(X, DY, base, ch, ch_mask, hs, C, HW, HWB, ACC, CL)
             t_dyx += tl.where(mask, (x - mean) * rstd, 0.0) * dy
             t_dy += dy
         s_dyx = tl.sum(t_dyx, axis=1)
@@ -175,7 +188,7 @@ def _bwd_kernel(
         else:
             w = tl.full([CB], 1.0, ACC)
         for hs in range(0, HW, HWB):
-            at, mask, x, dy = _bwd_tile(X, DY, base, ch, ch_mask, hs, HW, HWB, ACC)
+            at, mask, x, dy = _bwd_tile(X, DY, base, ch, ch_mask, hs, C, HW, HWB, ACC, CL)
             dx = (w[:, None] * dy - ((x - mean) * rstd * c1_row + c2_row)) * rstd
             tl.store(DX + at, dx.to(DX.dtype.element_ty), mask=mask)
 
@@ -283,8 +296,11 @@ def _bwd_smem_kernel(
 
 
 def group_norm_fwd(x, weight, bias, num_groups, eps):
-    """x: (N, C, HW) contiguous -> (y, mean, rstd), statistics per (n, g): shape (N * G,)."""
+    """x: (N, C, HW), contiguous or channels-last (``common.channels_last``) -> (y in x's layout,
+    mean, rstd), statistics per (n, g): shape (N * G,). Channels-last inputs take the fused or the
+    looped kernel (read in place)."""
     N, C, HW = x.shape
+    cl = channels_last(x)
     rows, L = N * num_groups, C // num_groups * HW
     cfg = config.group_norm(rows, C // num_groups, HW, x.dtype)
     y = torch.empty_like(x)
@@ -296,8 +312,10 @@ def group_norm_fwd(x, weight, bias, num_groups, eps):
     flags = dict(HAS_W=weight is not None, HAS_B=bias is not None, ACC=config.tl_acc_dtype(x.dtype),
                  num_warps=cfg.num_warps)  # fmt: skip
     affine = weight is not None or bias is not None
-    split = None if cfg.fused else config.group_norm_split_forward(rows, L, num_groups, x.dtype, x.device,
-                                                                   affine)  # fmt: skip
+    split = None if cfg.fused or cl else config.group_norm_split_forward(rows, L, num_groups, x.dtype,
+                                                                         x.device, affine)  # fmt: skip
+    if cl:
+        flags["CL"] = True
     if cfg.fused:
         launch(_fwd_fused_kernel, cfg.grid, x, y, w, b, mean, rstd, rows, num_groups, HW, C // num_groups,
                eps, eps_lo, ROWS=cfg.rows, CB=cfg.row_block, HWB=cfg.hw_block, **flags)  # fmt: skip
@@ -305,8 +323,8 @@ def group_norm_fwd(x, weight, bias, num_groups, eps):
         _split_forward(split, x.shape, x.dtype, x.device, weight is not None, bias is not None, num_groups,
                        eps)(x, y, w, b, mean, rstd)  # fmt: skip
     else:
-        launch(_fwd_looped_kernel, cfg.grid, x, y, w, b, mean, rstd, num_groups, L, HW, C // num_groups, eps,
-               eps_lo, BLOCK=cfg.hw_block, **flags)  # fmt: skip
+        launch(_fwd_looped_kernel, cfg.grid, x, y, w, b, mean, rstd, num_groups, C, L, HW, C // num_groups,
+               eps, eps_lo, BLOCK=cfg.hw_block, **flags)  # fmt: skip
     return y, mean, rstd
 
 
@@ -357,7 +375,7 @@ def plan_group_norm(x, weight, bias, num_groups, eps, grad=False):
         looped = Bound(_fwd_looped_kernel, cfg.grid, x.device.index, BLOCK=cfg.hw_block, **flags)
 
         def launch_fwd(x, y, w, b, mean, rstd):
-            looped(x, y, w, b, mean, rstd, num_groups, Cg * HW, HW, Cg, eps, eps_lo)
+            looped(x, y, w, b, mean, rstd, num_groups, C, Cg * HW, HW, Cg, eps, eps_lo)
 
     def forward(x, r, w, b):
         y = torch.empty_like(x)
@@ -410,10 +428,13 @@ def _plan_backward(x, weight, bias, G):
 
 
 def group_norm_bwd(dy, x, weight, mean, rstd, num_groups, bias_dtype):
-    """-> (dx, dweight, dbias), None where the forward had no weight / bias."""
+    """-> (dx in x's layout, dweight, dbias), None where the forward had no weight / bias; dy in x's
+    layout. Channels-last inputs take the one-program-per-row kernel (read in place)."""
     N, C, HW = x.shape
     Cg = C // num_groups
-    split = config.group_norm_split_backward(N * num_groups, Cg * HW, num_groups, x.dtype, x.device)
+    cl = channels_last(x)
+    split = None if cl else config.group_norm_split_backward(N * num_groups, Cg * HW, num_groups, x.dtype,
+                                                             x.device)  # fmt: skip
     if split is not None:
         dtypes = (None if weight is None else weight.dtype, bias_dtype)
         dx, _, dweight, dbias = _split_backward(split, x.shape, x.dtype, x.device, dtypes, num_groups)(
@@ -426,15 +447,15 @@ def group_norm_bwd(dy, x, weight, mean, rstd, num_groups, bias_dtype):
     part_buf, (dw_part, db_part) = reduce.targets(grad_dtypes, N, C, acc, x.device)
     args = (x, dy, dx, weight if has_w else x, mean, rstd, mean if dw_part is None else dw_part,
             mean if db_part is None else db_part)  # fmt: skip
-    in_smem = _bwd_smem_config(x, num_groups, dy)
+    in_smem = None if cl else _bwd_smem_config(x, num_groups, dy)
     if in_smem is not None:
         launch(_bwd_smem_kernel, in_smem.grid, *args, N * num_groups, num_groups, C, HW, Cg, Cg * HW,
                **_bwd_smem_meta(in_smem, Cg, has_w, has_db))  # fmt: skip
     else:
         cfg = config.group_norm_backward(N * num_groups, Cg, HW, x.dtype)
         launch(_bwd_kernel, cfg.grid, *args, num_groups, C, HW, Cg, CB=cfg.row_block, HWB=cfg.hw_block,
-               HAS_W=has_w, HAS_DB=has_db, ACC=config.tl_acc_dtype(x.dtype),
-               num_warps=cfg.num_warps)  # fmt: skip
+               HAS_W=has_w, HAS_DB=has_db, ACC=config.tl_acc_dtype(x.dtype), num_warps=cfg.num_warps,
+               **({"CL": True} if cl else {}))  # fmt: skip
     if part_buf is None:
         return dx, None, None
     dweight, dbias = reduce.sum_partials(part_buf, grad_dtypes)

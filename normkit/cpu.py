@@ -1,0 +1,171 @@
+"""CPU calls served by torch's own CPU operators, at torch's speed (issue 41).
+
+Each function here takes a public call's arguments and returns its result, or ``None`` when it does
+not serve the call; the front end (:mod:`normkit.functional`) then takes its full path, whose checks
+raise normkit's errors and whose CPU backend (:mod:`normkit.reference`, the fp64 test oracle) serves
+what is left. A call is served only where torch's operator gives normkit's documented results
+(docs/numerics.md, "Deliberate differences" in docs/testing.md):
+
+- layer_norm, softmax / log_softmax, group_norm, instance_norm, batch_norm: torch's operator
+  (fp32 math for 16-bit inputs, one rounding, as normkit's kernels);
+- rms_norm: torch's for fp32 / fp64, and for 16-bit inputs without a weight; a 16-bit input with a
+  weight is computed in fp32 and rounded once (torch rounds before the weight: twice);
+- add_layer_norm / add_rms_norm without dropout: ``x + residual`` then the norm above (dropout
+  keeps the reference's mask, so those calls take the full path).
+
+Left to the full path: anything normkit refuses or treats differently from torch (eps < 0, inf or
+nan, or not a float; empty tensors; groups of one value; a bias without a weight in GroupNorm /
+InstanceNorm, whose backward fails in torch), and anything torch's operator refuses (its error is
+dropped; the full path raises normkit's). The checks cost ~0.5 us a call on the 2-core CI machine.
+Autograd, double backward included, is torch's own.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+_HALF = (torch.float16, torch.bfloat16)
+_ERRORS = (RuntimeError, TypeError, ValueError, IndexError)
+
+
+def _eps(eps) -> bool:
+    return type(eps) is float and 0 <= eps < math.inf
+
+
+def _same_or_fp32(x: torch.Tensor, *params) -> bool:
+    """Every given parameter of x's dtype, or all fp32 for a 16-bit x (torch's mixed-dtype rule)."""
+    dtypes = {p.dtype for p in params if p is not None}
+    return not dtypes or dtypes == {x.dtype} or (dtypes == {torch.float32} and x.dtype in _HALF)
+
+
+def layer_norm(input, normalized_shape, weight, bias, eps):
+    if not (_eps(eps) and input.dtype.is_floating_point and input.numel()):
+        return None
+    shape = (normalized_shape,) if type(normalized_shape) is int else normalized_shape
+    try:
+        return torch.layer_norm(input, shape, weight, bias, eps)
+    except _ERRORS:
+        return None
+
+
+def rms_norm(input, normalized_shape, weight, eps):
+    if not (_eps(eps) and input.dtype.is_floating_point and input.numel()):
+        return None
+    shape = (normalized_shape,) if type(normalized_shape) is int else normalized_shape
+    try:
+        if weight is None or (weight.dtype == input.dtype and input.dtype not in _HALF):
+            return torch.rms_norm(input, shape, weight, eps)
+        if input.dtype in _HALF and weight.dtype in (input.dtype, torch.float32):
+            # fp32 math, one rounding (torch's 16-bit rms_norm rounds before the weight: twice)
+            return torch.rms_norm(input.float(), shape, weight.float(), eps).to(input.dtype)
+    except _ERRORS:
+        pass
+    return None
+
+
+def softmax(input, dim, dtype, log: bool):
+    if type(dim) is not int or input.dtype.is_complex:
+        return None
+    if dtype is None:
+        if not input.dtype.is_floating_point:
+            return None
+    elif not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        return None
+    try:
+        if log:
+            return input.log_softmax(dim) if dtype is None else input.log_softmax(dim, dtype=dtype)
+        return input.softmax(dim) if dtype is None else input.softmax(dim, dtype=dtype)
+    except _ERRORS:
+        return None
+
+
+def add_norm(x, residual, normalized_shape, weight, bias, eps, dropout_p, seed, residual_dtype, prenorm,
+             is_rms):  # fmt: skip
+    """``h = x + residual`` in one rounding to h's dtype, then the norm of h in x's dtype."""
+    if seed is not None or not (type(dropout_p) in (float, int) and dropout_p == 0) or not _eps(eps):
+        return None
+    if not (x.dtype.is_floating_point and x.numel() and type(prenorm) is bool):
+        return None
+    if residual is None:
+        h_dtype = x.dtype if residual_dtype is None else residual_dtype
+    else:
+        if type(residual) is not torch.Tensor or residual.shape != x.shape:
+            return None
+        h_dtype = residual.dtype if residual_dtype is None else residual_dtype
+    if not isinstance(h_dtype, torch.dtype) or h_dtype not in (x.dtype, torch.float32):
+        return None
+    if residual is not None and residual.dtype not in (x.dtype, h_dtype):
+        return None
+    try:
+        if residual is None:
+            h = x.to(h_dtype) if h_dtype != x.dtype else x.clone() if prenorm else x
+        elif residual.dtype == x.dtype == h_dtype:
+            h = x + residual  # fp32 math for 16-bit tensors, one rounding
+        else:  # a 16-bit x and an fp32 residual stream
+            h = (x.float() + residual.float()).to(h_dtype)
+        if h.dtype == x.dtype:
+            y = (rms_norm(h, normalized_shape, weight, eps) if is_rms
+                 else layer_norm(h, normalized_shape, weight, bias, eps))  # fmt: skip
+        else:  # fp32 h, 16-bit x: the norm in fp32 (h's dtype), rounded once to x's dtype
+            w = None if weight is None else weight.float()
+            b = None if bias is None else bias.float()
+            y = (rms_norm(h, normalized_shape, w, eps) if is_rms
+                 else layer_norm(h, normalized_shape, w, b, eps))  # fmt: skip
+            y = None if y is None else y.to(x.dtype)
+    except _ERRORS:
+        return None
+    if y is None:
+        return None
+    return (y, h) if prenorm else y
+
+
+def group_norm(input, num_groups, weight, bias, eps):
+    if not (_eps(eps) and type(num_groups) is int and num_groups > 0 and input.dtype.is_floating_point
+            and input.dim() >= 2 and input.numel()):  # fmt: skip
+        return None
+    C = input.shape[1]
+    if C % num_groups or (C // num_groups) * (input.numel() // (input.shape[0] * C)) == 1:
+        return None  # refused, or groups of one value (torch's backward fails there with a bias)
+    if not _same_or_fp32(input, weight, bias) or (weight is None and bias is not None):
+        return None  # (bias without weight: torch's backward fails on some shapes)
+    try:
+        return torch.nn.functional.group_norm(input, num_groups, weight, bias, eps)
+    except _ERRORS:
+        return None
+
+
+def instance_norm(input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps):
+    if not (use_input_stats is True and _eps(eps) and eps > 0 and type(momentum) is float
+            and input.dtype.is_floating_point and input.dim() >= 3 and input.numel()
+            and input.is_contiguous()):  # fmt: skip
+        return None  # (torch's instance_norm returns a channels-last input's result contiguous)
+    if input.numel() // (input.shape[0] * input.shape[1]) <= 1 or not _same_or_fp32(input, weight, bias):
+        return None
+    if weight is None and bias is not None:
+        return None  # torch's backward fails there ("tensor does not have a device")
+    if (running_mean is None) != (running_var is None) or not _same_or_fp32(input, running_mean, running_var):
+        return None
+    try:
+        return torch.nn.functional.instance_norm(input, running_mean, running_var, weight, bias, True,
+                                                 momentum, eps)  # fmt: skip
+    except _ERRORS:
+        return None
+
+
+def batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps):
+    if not (type(training) is bool and _eps(eps) and eps > 0 and type(momentum) is float
+            and input.dtype.is_floating_point and input.dim() >= 2 and input.numel()):  # fmt: skip
+        return None
+    if training and input.numel() // input.shape[1] <= 1:
+        return None  # torch's F.batch_norm refuses it too; the full path words the error
+    if (running_mean is None) != (running_var is None) or (not training and running_mean is None):
+        return None
+    if not (_same_or_fp32(input, weight, bias) and _same_or_fp32(input, running_mean, running_var)):
+        return None
+    try:
+        return torch.nn.functional.batch_norm(input, running_mean, running_var, weight, bias, training,
+                                              momentum, eps)  # fmt: skip
+    except _ERRORS:
+        return None

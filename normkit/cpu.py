@@ -27,7 +27,7 @@ import math
 import torch
 
 _HALF = (torch.float16, torch.bfloat16)
-_ERRORS = (RuntimeError, TypeError, ValueError, IndexError)
+_ERRORS = (RuntimeError, TypeError, ValueError, IndexError, AttributeError)
 
 
 def _eps(eps) -> bool:
@@ -35,7 +35,10 @@ def _eps(eps) -> bool:
 
 
 def _same_or_fp32(x: torch.Tensor, *params) -> bool:
-    """Every given parameter of x's dtype, or all fp32 for a 16-bit x (torch's mixed-dtype rule)."""
+    """Every given parameter a tensor of x's dtype, or all fp32 for a 16-bit x (torch's mixed-dtype
+    rule)."""
+    if not all(p is None or isinstance(p, torch.Tensor) for p in params):
+        return False
     dtypes = {p.dtype for p in params if p is not None}
     return not dtypes or dtypes == {x.dtype} or (dtypes == {torch.float32} and x.dtype in _HALF)
 
@@ -52,6 +55,8 @@ def layer_norm(input, normalized_shape, weight, bias, eps):
 
 def rms_norm(input, normalized_shape, weight, eps):
     if not (_eps(eps) and input.dtype.is_floating_point and input.numel()):
+        return None
+    if weight is not None and not isinstance(weight, torch.Tensor):
         return None
     shape = (normalized_shape,) if type(normalized_shape) is int else normalized_shape
     try:
@@ -84,8 +89,10 @@ def softmax(input, dim, dtype, log: bool):
 def add_norm(x, residual, normalized_shape, weight, bias, eps, dropout_p, seed, residual_dtype, prenorm,
              is_rms):  # fmt: skip
     """``h = x + residual`` in one rounding to h's dtype, then the norm of h in x's dtype."""
-    if seed is not None or not (type(dropout_p) in (float, int) and dropout_p == 0) or not _eps(eps):
+    if not (type(dropout_p) in (float, int) and dropout_p == 0) or not _eps(eps):
         return None
+    if seed is not None and not (type(seed) is int and 0 <= seed < 2**63):
+        return None  # (no dropout: a valid seed changes nothing; an invalid one is refused there)
     if not (x.dtype.is_floating_point and x.numel() and type(prenorm) is bool):
         return None
     if residual is None:
@@ -164,6 +171,10 @@ def batch_norm(input, running_mean, running_var, weight, bias, training, momentu
         return None
     if not (_same_or_fp32(input, weight, bias) and _same_or_fp32(input, running_mean, running_var)):
         return None
+    if input.dtype in _HALF and running_mean is not None and running_mean.dtype == torch.float32:
+        # 16-bit parameters with fp32 running statistics: torch takes all-fp32 parameters there
+        weight = None if weight is None else weight.float()
+        bias = None if bias is None else bias.float()
     try:
         return torch.nn.functional.batch_norm(input, running_mean, running_var, weight, bias, training,
                                               momentum, eps)  # fmt: skip

@@ -1,7 +1,9 @@
 """BatchNorm on NVIDIA GPUs (training and eval): kernels, then launchers.
 
 A column reduction, unlike the row norms: channel c's statistics run over N samples x HW of a
-contiguous (N, C, HW) input.
+contiguous (N, C, HW) input. A channels-last input (memory (N, HW, C)) comes as the contiguous
+(N * HW, C, 1) batch of the same memory (the front end's view: same statistics, read in place); HW
+= 1 inputs take the two-pass kernels below with [samples, channels] tiles (``_*_cols_kernel``).
 
 Split channels (``config.batch_norm_split``; where channels in parts, below, do not serve): the
 rows of coop.py applied to channels. The K programs of a channel each take a chunk of its N * HW
@@ -93,6 +95,52 @@ def _stats_part_kernel(
     tl.store(Mean_part + p, mean)
     m2 = tl.sum(tl.sum(s2, axis=1), axis=0) - sum1 * mean  # NaN for a slice holding +-inf, as torch
     tl.store(M2_part + p, tl.maximum(m2, 0.0, propagate_nan=tl.PropagateNan.ALL))
+
+
+@triton.jit
+def _cols_tile(p, N, C, SAMPLES, rs, RB: tl.constexpr, CB: tl.constexpr):
+    """Program ``p`` = (slice s, channel block)'s [RB samples, CB channels] tile at sample
+    ``s * SAMPLES + rs`` of an (N, C) input (HW = 1): offsets, mask, the channels and their mask."""
+    blocks = tl.cdiv(C, CB)
+    s = p // blocks
+    c = (p % blocks) * CB + tl.arange(0, CB)
+    n = s * SAMPLES + rs + tl.arange(0, RB)
+    cm = c < C
+    mask = ((n < N) & (n < (s + 1) * SAMPLES))[:, None] & cm[None, :]
+    return n.to(tl.int64)[:, None] * C + c[None, :], mask, c, cm
+
+
+@triton.jit
+def _stats_part_cols_kernel(
+    X,  # (N, C) contiguous input (HW = 1: BatchNorm1d, or a channels-last input as (N * HW, C))
+    Mean_part,  # (parts, C) out, ACC: as _stats_part_kernel's
+    M2_part,  # (parts, C) out, ACC
+    N,
+    C,
+    SAMPLES,  # samples per slice; program p = s * cdiv(C, CB) + channel block
+    RB: tl.constexpr,  # samples per tile
+    CB: tl.constexpr,  # channels per tile (contiguous in memory)
+    ACC: tl.constexpr,
+):
+    """_stats_part_kernel for HW = 1 in [samples, channels] tiles: a warp reads consecutive
+    channels of a sample (one value a 32-byte sector in [samples, 1] tiles)."""
+    p = tl.program_id(0)
+    s = p // tl.cdiv(C, CB)
+    _, _, c, cm = _cols_tile(p, N, C, SAMPLES, 0, RB, CB)
+    shift = tl.load(X + c, mask=cm, other=0.0).to(ACC)
+    s1 = tl.zeros([RB, CB], ACC)
+    s2 = tl.zeros([RB, CB], ACC)
+    rows = tl.minimum(SAMPLES, N - s * SAMPLES)
+    for rs in range(0, rows, RB):
+        at, mask, _, _ = _cols_tile(p, N, C, SAMPLES, rs, RB, CB)
+        xs = tl.where(mask, tl.load(X + at, mask=mask, other=0.0).to(ACC) - shift[None, :], 0.0)
+        s1 += xs
+        s2 += xs * xs
+    sum1 = tl.sum(s1, axis=0)
+    mean = sum1 / tl.cast(rows, ACC)
+    tl.store(Mean_part + s * C + c, mean, mask=cm)
+    m2 = tl.sum(s2, axis=0) - sum1 * mean  # NaN for a slice holding +-inf, as torch
+    tl.store(M2_part + s * C + c, tl.maximum(m2, 0.0, propagate_nan=tl.PropagateNan.ALL), mask=cm)
 
 
 @triton.jit
@@ -220,6 +268,40 @@ def _grad_sums_part_kernel(
             s_dyx += tl.where(mask, (x - mean) * rstd, 0.0) * dy
     tl.store(Sum_dy_xhat_part + p, tl.sum(tl.sum(s_dyx, axis=1), axis=0))
     tl.store(Sum_dy_part + p, tl.sum(tl.sum(s_dy, axis=1), axis=0))
+
+
+@triton.jit
+def _grad_sums_part_cols_kernel(
+    X,  # (N, C) forward input (HW = 1)
+    DY,  # (N, C) output gradient, contiguous
+    Mean,  # (C,)
+    Rstd,  # (C,)
+    Sum_dy_xhat_part,  # (parts, C) out, ACC
+    Sum_dy_part,  # (parts, C) out, ACC
+    N,
+    C,
+    SAMPLES,
+    RB: tl.constexpr,
+    CB: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    """_grad_sums_part_kernel for HW = 1 in [samples, channels] tiles (see _stats_part_cols_kernel)."""
+    p = tl.program_id(0)
+    s = p // tl.cdiv(C, CB)
+    _, _, c, cm = _cols_tile(p, N, C, SAMPLES, 0, RB, CB)
+    mean = tl.load(Mean + c, mask=cm, other=0.0).to(ACC)
+    rstd = tl.load(Rstd + c, mask=cm, other=0.0).to(ACC)
+    s_dy = tl.zeros([RB, CB], ACC)
+    s_dyx = tl.zeros([RB, CB], ACC)
+    rows = tl.minimum(SAMPLES, N - s * SAMPLES)
+    for rs in range(0, rows, RB):
+        at, mask, _, _ = _cols_tile(p, N, C, SAMPLES, rs, RB, CB)
+        x = tl.load(X + at, mask=mask, other=0.0).to(ACC)
+        dy = tl.load(DY + at, mask=mask, other=0.0).to(ACC)
+        s_dy += dy
+        s_dyx += tl.where(mask, (x - mean[None, :]) * rstd[None, :], 0.0) * dy
+    tl.store(Sum_dy_xhat_part + s * C + c, tl.sum(s_dyx, axis=0), mask=cm)
+    tl.store(Sum_dy_part + s * C + c, tl.sum(s_dy, axis=0), mask=cm)
 
 
 @triton.jit
@@ -704,8 +786,12 @@ def batch_norm_stats(x, eps, momentum=0.0, running_mean=None, running_var=None):
     tl_acc = config.tl_acc_dtype(x.dtype)
     cfg = config.batch_norm_sums(N, C, HW, x.dtype, x.device)
     part = torch.empty((2, cfg.parts, C), dtype=acc, device=x.device)
-    launch(_stats_part_kernel, cfg.grid, x, part[0], part[1], N, C, HW, cfg.samples, RB=cfg.row_block,
-           HWB=cfg.hw_block, ACC=tl_acc, num_warps=cfg.num_warps)  # fmt: skip
+    if cfg.channels:
+        launch(_stats_part_cols_kernel, cfg.grid, x, part[0], part[1], N, C, cfg.samples, RB=cfg.row_block,
+               CB=cfg.channels, ACC=tl_acc, num_warps=cfg.num_warps)  # fmt: skip
+    else:
+        launch(_stats_part_kernel, cfg.grid, x, part[0], part[1], N, C, HW, cfg.samples, RB=cfg.row_block,
+               HWB=cfg.hw_block, ACC=tl_acc, num_warps=cfg.num_warps)  # fmt: skip
     mean = torch.empty(C, dtype=acc, device=x.device)
     rstd = torch.empty_like(mean)
     count = N * HW
@@ -833,9 +919,14 @@ def batch_norm_bwd(dy, x, weight, mean, rstd, training, bias_dtype):
     acc = config.acc_dtype(x.dtype)
     cfg = config.batch_norm_sums(N, C, HW, x.dtype, x.device)
     part, (dyx_part, dy_part) = reduce.partials((acc, acc), cfg.parts, C, acc, x.device)
-    launch(_grad_sums_part_kernel, cfg.grid, x, dy, mean, rstd, dyx_part, dy_part, N, C, HW, cfg.samples,
-           RB=cfg.row_block, HWB=cfg.hw_block, ACC=config.tl_acc_dtype(x.dtype),
-           num_warps=cfg.num_warps)  # fmt: skip
+    if cfg.channels:
+        launch(_grad_sums_part_cols_kernel, cfg.grid, x, dy, mean, rstd, dyx_part, dy_part, N, C, cfg.samples,
+               RB=cfg.row_block, CB=cfg.channels, ACC=config.tl_acc_dtype(x.dtype),
+               num_warps=cfg.num_warps)  # fmt: skip
+    else:
+        launch(_grad_sums_part_kernel, cfg.grid, x, dy, mean, rstd, dyx_part, dy_part, N, C, HW, cfg.samples,
+               RB=cfg.row_block, HWB=cfg.hw_block, ACC=config.tl_acc_dtype(x.dtype),
+               num_warps=cfg.num_warps)  # fmt: skip
     sum_dy_xhat, sum_dy = reduce.sum_partials(part, (acc, acc))
     dx = torch.empty_like(x)
     cfg = config.batch_norm_rows(N * C, HW, x.dtype)

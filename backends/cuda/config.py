@@ -718,6 +718,10 @@ GROUP_NORM_FWD_MAX_WARPS = {2: 8, 4: 16, 8: 32}
 # pass at 0.45-0.70 of copy on the bf16 image shapes, the steadiest of {4, 8, 16} x {2048, 4096,
 # 8192} (0.31-0.75; H100, perf-notes v14). The apply kernel reads 0.88-0.98 at any tile of 2048-16384.
 BATCH_NORM_SUMS_TILE = 2048
+# Channels a tile of the sums kernels for HW = 1 ((N, C) inputs, channels-last ones read as (N * HW,
+# C, 1)): 128 bytes of bf16 a tile row. Not measured yet (issue 41: chosen so a warp's load is
+# contiguous; the [samples, 1] tiles before it read one value a 32-byte sector).
+BATCH_NORM_SUMS_CHANNELS = 64
 MERGE_BLOCK = 128  # channels per program of the partial-statistics merge
 # GroupNorm backward: fp32 rows longer than this go through the row norms' split backward
 # (``SPLIT_BWD``; co-resident programs share a row, x and dy read once) instead of one program per
@@ -761,6 +765,7 @@ class ImageConfig:
     samples: int = 1  # BatchNorm sums: samples per slice
     rows: int = 1  # GroupNorm forward: (n, g) rows per program
     fused: bool = False  # GroupNorm forward: whole rows in registers ([rows, row_block, hw_block])
+    channels: int = 0  # BatchNorm sums, HW = 1: channels a [samples, channels] tile (0: [samples, HW])
 
 
 def _hw_block(HW: int, most: int = 0) -> int:
@@ -892,6 +897,15 @@ def _group_aligned(cfg: LaunchConfig | None, G: int) -> LaunchConfig | None:
 def batch_norm_sums(N: int, C: int, HW: int, dtype: torch.dtype, device: torch.device) -> ImageConfig:
     """BatchNorm statistics / gradient sums: program (slice s, channel c) sums channel c over
     ``samples`` samples x HW in [samples, HW] tiles; grid = parts x C."""
+    if HW == 1:  # (N, C) rows (BatchNorm1d, and channels-last inputs as (N * HW, C, 1)): program (s,
+        # channel block) sums [samples, channels] tiles, contiguous along the channels
+        cb = min(triton.next_power_of_2(max(1, C)), BATCH_NORM_SUMS_CHANNELS)
+        blocks = triton.cdiv(C, cb)
+        parts = max(1, min(N, triton.cdiv(BATCH_NORM_PROGRAMS_PER_SM * sm_count(device), blocks)))
+        samples = triton.cdiv(N, parts)
+        parts = triton.cdiv(N, samples) if N else 1
+        rb = max(1, min(triton.next_power_of_2(max(1, samples)), BATCH_NORM_SUMS_TILE // cb))
+        return ImageConfig(1, rb, _warps(rb * cb, dtype), (parts * blocks,), parts, samples, channels=cb)
     parts = max(1, min(N, triton.cdiv(BATCH_NORM_PROGRAMS_PER_SM * sm_count(device), max(1, C))))
     samples = triton.cdiv(N, parts)
     parts = triton.cdiv(N, samples) if N else 1

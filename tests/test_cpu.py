@@ -1,0 +1,104 @@
+"""CPU tensors with no backend override: torch's own operators serve (normkit/cpu.py, issue 41).
+
+Every op against the fp64 reference through the public API (the same checks as the kernels get),
+that torch's operators did serve (the reference is never called), and that the calls normkit/cpu.py
+leaves to the full path still get normkit's results and errors.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import normkit
+from normkit import ops, reference
+from normkit.errors import InvalidArgument
+from normkit.testing import (check_add_norm_case, check_batch_norm_case, check_case, check_group_norm_case,
+                             check_softmax_case)  # fmt: skip
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+ROW_SHAPES = [(16, 4096), (1, 8), (7, 33), (3, 5, 64)]
+
+
+@pytest.fixture
+def no_reference(monkeypatch):
+    """Fail a test whose normkit call takes the full path (normkit.ops, whose operators call the
+    backend: the reference on CPU): torch's operators must serve it. (The tests' fp64 oracle calls
+    normkit.reference directly.)"""
+    for name in ("layer_norm_fwd", "rms_norm_fwd", "softmax_fwd", "add_norm_fwd", "group_norm_fwd",
+                 "batch_norm_train", "batch_norm_fwd", "batch_norm_stats"):  # fmt: skip
+        monkeypatch.setattr(ops, name, lambda *a, name=name, **k: pytest.fail(f"ops.{name} ran"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", ROW_SHAPES, ids=str)
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("affine", [(True, True), (False, False), (True, False)], ids=str)
+def test_row_norms(no_reference, op, shape, dtype, affine):
+    check_case(op, shape, 1, dtype, "cpu", weight=affine[0], bias=affine[1], eps=0.1, seed=len(shape))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_fp32_weights_with_16bit_inputs(no_reference, dtype):
+    """fp32 parameters with 16-bit activations, rounded once (torch's 16-bit rms_norm rounds
+    before multiplying by the weight: twice)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 256, generator=g).to(dtype)
+    w = torch.rand(256, generator=g) + 0.5
+    b = torch.randn(256, generator=g)
+    pairs = ((normkit.layer_norm(x, (256,), w, b), F.layer_norm(x.double(), (256,), w.double(), b.double())),
+             (normkit.rms_norm(x, (256,), w, 1e-6), F.rms_norm(x.double(), (256,), w.double(), 1e-6)))
+    for got, want in pairs:
+        assert got.dtype == dtype
+        expected = want.to(dtype)  # one rounding of the exact result
+        assert (got != expected).float().mean() < 0.02, "not rounded once from the fp32 result"
+        torch.testing.assert_close(got.double(), want, atol=0, rtol=torch.finfo(dtype).eps * 2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", ["softmax", "log_softmax"])
+@pytest.mark.parametrize("shape,dim", [((16, 4096), -1), ((4, 8, 5), 1), ((9,), 0)], ids=str)
+def test_softmax(no_reference, op, shape, dim, dtype):
+    check_softmax_case(op, shape, dim, dtype, "cpu")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", ["add_layer_norm", "add_rms_norm"])
+@pytest.mark.parametrize("residual", [True, False])
+def test_add_norms(no_reference, op, dtype, residual):
+    check_add_norm_case(op, (16, 512), dtype, "cpu", residual=residual)
+
+
+@pytest.mark.parametrize("op", ["add_layer_norm", "add_rms_norm"])
+def test_add_norms_fp32_residual_stream(no_reference, op):
+    check_add_norm_case(op, (16, 512), torch.bfloat16, "cpu", residual_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,groups", [((4, 32, 7, 7), 8), ((2, 6, 33), 6), ((8, 512), 32)], ids=str)
+def test_group_norm(no_reference, shape, groups, dtype):
+    check_group_norm_case(shape, groups, dtype, "cpu")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("shape", [(8, 16, 5, 5), (16, 4096)], ids=str)
+def test_batch_norm(request, shape, dtype, training):
+    if dtype != torch.float64:  # (fp32 running statistics with an fp64 input: torch refuses, the
+        request.getfixturevalue("no_reference")  # full path serves; docs/testing.md)
+    check_batch_norm_case(shape, dtype, "cpu", training=training)
+
+
+def test_dropout_and_edge_cases_take_the_full_path():
+    """What torch's operators would get wrong for normkit's semantics goes through the reference:
+    dropout (normkit's mask), eps = 0 InstanceNorm of a constant channel (NaN, as normkit's
+    GroupNorm), and refusals (negative eps) raise normkit's errors."""
+    x, r = torch.randn(4, 64), torch.randn(4, 64)
+    y = normkit.add_layer_norm(x, r, (64,), dropout_p=0.5, seed=7)
+    keep = reference.dropout_keep(x.shape, 0.5, 7, x.device)
+    torch.testing.assert_close(y, F.layer_norm(torch.where(keep, 2 * x, 0.0) + r, (64,)))
+    const = torch.ones(2, 3, 4, 4)
+    assert normkit.instance_norm(const, eps=0.0).isnan().all()
+    with pytest.raises(InvalidArgument, match="eps"):
+        normkit.layer_norm(x, (64,), eps=-1.0)
+    with pytest.raises(InvalidArgument, match="normalized_shape"):
+        normkit.layer_norm(x, (32,))

@@ -1,7 +1,8 @@
 """CPU calls served by torch's own CPU operators, at torch's speed (issue 41).
 
-Each function here takes a public call's arguments and returns its result, or ``None`` when it does
-not serve the call; the front end (:mod:`normkit.functional`) then takes its full path, whose checks
+The public functions (``normkit.*``, :mod:`normkit.distributed`) ask :func:`serves`, then the op's
+function here, which takes the call's arguments and returns its result, or ``None`` when it does
+not serve the call; the call then takes the full path (:mod:`normkit.functional`), whose checks
 raise normkit's errors and whose CPU backend (:mod:`normkit.reference`, the fp64 test oracle) serves
 what is left. A call is served only where torch's operator gives normkit's documented results
 (docs/numerics.md, "Deliberate differences" in docs/testing.md):
@@ -26,7 +27,16 @@ import math
 
 import torch
 
+from normkit import dispatch
+
 _HALF = (torch.float16, torch.bfloat16)
+
+
+def serves(input) -> bool:
+    """Whether this module may serve a call on ``input``: a plain CPU tensor, and no backend
+    override in effect in any context (the tests' interpreter executors; ``dispatch.use_backend``).
+    A module-global read, not the ContextVar: cheap, and traceable by torch.compile."""
+    return type(input) is torch.Tensor and input.is_cpu and not dispatch._IN_OVERRIDE[0]
 _ERRORS = (RuntimeError, TypeError, ValueError, IndexError, AttributeError)
 
 
@@ -54,7 +64,10 @@ def layer_norm(input, normalized_shape, weight, bias, eps):
 
 
 def rms_norm(input, normalized_shape, weight, eps):
-    if not (_eps(eps) and input.dtype.is_floating_point and input.numel()):
+    if not (input.dtype.is_floating_point and input.numel()):
+        return None
+    eps = torch.finfo(input.dtype).eps if eps is None else eps  # (as torch)
+    if not _eps(eps):
         return None
     if weight is not None and not isinstance(weight, torch.Tensor):
         return None
@@ -89,7 +102,10 @@ def softmax(input, dim, dtype, log: bool):
 def add_norm(x, residual, normalized_shape, weight, bias, eps, dropout_p, seed, residual_dtype, prenorm,
              is_rms):  # fmt: skip
     """``h = x + residual`` in one rounding to h's dtype, then the norm of h in x's dtype."""
-    if not (type(dropout_p) in (float, int) and dropout_p == 0) or not _eps(eps):
+    if not (type(dropout_p) in (float, int) and dropout_p == 0 and x.dtype.is_floating_point):
+        return None
+    eps = torch.finfo(x.dtype).eps if eps is None and is_rms else eps  # (as rms_norm)
+    if not _eps(eps):
         return None
     if seed is not None and not (type(seed) is int and 0 <= seed < 2**63):
         return None  # (no dropout: a valid seed changes nothing; an invalid one is refused there)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import importlib
+import threading
 from types import MappingProxyType, ModuleType
 from typing import Iterator, Mapping
 
@@ -28,6 +29,29 @@ _REGISTRY: Mapping[str, str] = {
 _OVERRIDES: contextvars.ContextVar[Mapping[str, str]] = contextvars.ContextVar(
     "normkit_backend_overrides", default=MappingProxyType({})
 )
+
+
+# Blocks running under an override, in any context (use_backend / restore): while there are none, a
+# call needs no ContextVar read to know that no override applies (normkit.cpu's fast check, which
+# torch.compile can also trace: it guards on this module global).
+_IN_OVERRIDE = [0]
+_COUNT_LOCK = threading.Lock()
+
+
+def any_override() -> bool:
+    """Whether any context may have an override in effect (cheap; exact: :func:`overrides`)."""
+    return _IN_OVERRIDE[0] > 0
+
+
+@contextlib.contextmanager
+def _counted() -> Iterator[None]:
+    with _COUNT_LOCK:
+        _IN_OVERRIDE[0] += 1
+    try:
+        yield
+    finally:
+        with _COUNT_LOCK:
+            _IN_OVERRIDE[0] -= 1
 
 
 def registered() -> dict[str, str]:
@@ -98,7 +122,8 @@ def restore(saved: Mapping[str, str]) -> Iterator[None]:
     engine runs a CUDA backward on its own thread, where the forward's context is not set."""
     token = _OVERRIDES.set(saved)
     try:
-        yield
+        with _counted() if saved else contextlib.nullcontext():
+            yield
     finally:
         _OVERRIDES.reset(token)
 
@@ -108,7 +133,8 @@ def use_backend(device_type: str, module_name: str) -> Iterator[None]:
     """Serve ``device_type`` with ``module_name`` inside the block (this context only)."""
     token = _OVERRIDES.set({**_OVERRIDES.get(), device_type: module_name})
     try:
-        yield
+        with _counted():
+            yield
     finally:
         _OVERRIDES.reset(token)
 

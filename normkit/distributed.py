@@ -50,6 +50,7 @@ import torch
 from torch import Tensor
 from torch.nn import Parameter
 
+from normkit import cpu
 from normkit import functional as F
 from normkit.errors import InvalidArgument
 
@@ -287,6 +288,8 @@ def _accepted_rows(x, normalized_shape) -> str:
 
 def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     """:func:`normkit.functional.layer_norm`, also on DTensors (see :mod:`normkit.distributed`)."""
+    if cpu.serves(input) and (y := cpu.layer_norm(input, normalized_shape, weight, bias, eps)) is not None:
+        return y
     if _plain(input, weight, bias):
         return F.layer_norm(input, normalized_shape, weight, bias, eps)
     return _sharded("layer_norm", input, "input", _trailing_dims(input, normalized_shape),
@@ -296,6 +299,8 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
 
 def rms_norm(input, normalized_shape, weight=None, eps=None):
     """:func:`normkit.functional.rms_norm`, also on DTensors (see :mod:`normkit.distributed`)."""
+    if cpu.serves(input) and (y := cpu.rms_norm(input, normalized_shape, weight, eps)) is not None:
+        return y
     if _plain(input, weight):
         return F.rms_norm(input, normalized_shape, weight, eps)
     return _sharded("rms_norm", input, "input", _trailing_dims(input, normalized_shape),
@@ -316,11 +321,17 @@ def _softmax(op, fn, input, dim, stacklevel, dtype):
 
 def softmax(input, dim=None, _stacklevel=3, dtype=None):
     """:func:`normkit.functional.softmax`, also on DTensors not sharded along ``dim``."""
+    if cpu.serves(input) and type(_stacklevel) is int:  # (a dtype there is an error: see functional)
+        if (y := cpu.softmax(input, dim, dtype, False)) is not None:
+            return y
     return _softmax("softmax", F.softmax, input, dim, _stacklevel, dtype)
 
 
 def log_softmax(input, dim=None, _stacklevel=3, dtype=None):
     """:func:`normkit.functional.log_softmax`, also on DTensors not sharded along ``dim``."""
+    if cpu.serves(input) and type(_stacklevel) is int:  # (a dtype there is an error: see functional)
+        if (y := cpu.softmax(input, dim, dtype, True)) is not None:
+            return y
     return _softmax("log_softmax", F.log_softmax, input, dim, _stacklevel, dtype)
 
 
@@ -344,6 +355,11 @@ def _shard_seed(x, dropout_p, seed):
 
 
 def _add_norm(op, fn, x, residual, normalized_shape, params, dropout_p, seed, **kwargs):
+    if cpu.serves(x):
+        out = cpu.add_norm(x, residual, normalized_shape, params["weight"], params.get("bias"), kwargs["eps"],
+                           dropout_p, seed, kwargs["residual_dtype"], kwargs["prenorm"], op == "add_rms_norm")
+        if out is not None:
+            return out
     if _plain(x, residual, *params.values()):
         return fn(x, residual, normalized_shape, **params, dropout_p=dropout_p, seed=seed, **kwargs)
     if is_dtensor(x):
@@ -378,6 +394,8 @@ _BATCH_ONLY = "Replicate() or Shard(0) (the batch dim; statistics span channels 
 
 def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
     """:func:`normkit.functional.group_norm`, also on DTensors sharded along the batch dim."""
+    if cpu.serves(input) and (y := cpu.group_norm(input, num_groups, weight, bias, eps)) is not None:
+        return y
     if _plain(input, weight, bias):
         return F.group_norm(input, num_groups, weight, bias, eps)
     return _sharded("group_norm", input, "input", set(range(1, input.dim())), _BATCH_ONLY,
@@ -389,6 +407,10 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
                   use_input_stats=True, momentum=0.1, eps=1e-5):  # fmt: skip
     """:func:`normkit.functional.instance_norm`, also on DTensors sharded along the batch dim
     (running statistics only with a replicated input: their update averages the whole batch)."""
+    if cpu.serves(input):
+        y = cpu.instance_norm(input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps)
+        if y is not None:
+            return y
     if _plain(input, running_mean, running_var, weight, bias):
         return F.instance_norm(input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps)
     op = "instance_norm"
@@ -409,6 +431,9 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
     """:func:`normkit.functional.batch_norm`, also on replicated DTensors (and, in eval mode, on
     DTensors not sharded along channels): batch statistics of a sharded batch would need a
     cross-rank all-reduce, which normkit does not do (torch.nn.SyncBatchNorm does)."""
+    if cpu.serves(input) and (y := cpu.batch_norm(input, running_mean, running_var, weight, bias,
+                                                  training, momentum, eps)) is not None:  # fmt: skip
+        return y
     if _plain(input, running_mean, running_var, weight, bias):
         return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
     op = "batch_norm"

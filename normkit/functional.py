@@ -18,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-from normkit import cpu, dispatch, ops, reference
+from normkit import dispatch, ops, reference
 from normkit.errors import InvalidArgument, InvalidDim, InvalidDtype
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -321,13 +321,6 @@ def _plan(key, backend, name: str, rows: torch.Tensor, *args):
     return plan
 
 
-def _native(input) -> bool:
-    """A call torch's own CPU operators may serve (:mod:`normkit.cpu`): a plain CPU tensor, no
-    backend override in effect (the tests' interpreter executors), outside a torch.compile trace."""
-    return (type(input) is torch.Tensor and input.is_cpu and not torch.compiler.is_compiling()
-            and not dispatch.overrides())  # fmt: skip
-
-
 def _shaped(rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``rows`` viewed in ``like``'s shape (no view when it already has it: no extra autograd node)."""
     return rows if rows.shape == like.shape else rows.view(like.shape)
@@ -335,8 +328,6 @@ def _shaped(rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     """Same signature and semantics as :func:`torch.nn.functional.layer_norm`."""
-    if _native(input) and (y := cpu.layer_norm(input, normalized_shape, weight, bias, eps)) is not None:
-        return y
     key = _plan_key("layer_norm", input, (weight, bias), _shape_key(normalized_shape),
                     eps if type(eps) is float else None)  # fmt: skip
     plan = _stored_plan(key)
@@ -371,8 +362,6 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):
     """
     if eps is None and isinstance(input, torch.Tensor) and input.dtype.is_floating_point:
         eps = torch.finfo(input.dtype).eps
-    if _native(input) and (y := cpu.rms_norm(input, normalized_shape, weight, eps)) is not None:
-        return y
     key = _plan_key("rms_norm", input, (weight,), _shape_key(normalized_shape),
                     eps if type(eps) is float else None)  # fmt: skip
     plan = _stored_plan(key)
@@ -394,8 +383,6 @@ def _softmax(op: str, input, dim, stacklevel, dtype, log: bool):
     if type(stacklevel) is not int and isinstance(stacklevel, torch.dtype):
         raise TypeError(f"{op}: the third positional argument is _stacklevel, as in torch.nn.functional."
                         f"{op}, got the dtype {stacklevel}; pass dtype={stacklevel} by keyword")  # fmt: skip
-    if _native(input) and (y := cpu.softmax(input, dim, dtype, log)) is not None:
-        return y
     key = _plan_key(op, input, (), True if along_last and dtype is None else None)
     plan = _stored_plan(key)
     if plan is not None:
@@ -457,9 +444,6 @@ def log_softmax(input, dim=None, _stacklevel=3, dtype=None):
 
 def _add_norm(op, x, residual, normalized_shape, weight, bias, eps, dropout_p, seed, residual_dtype,
               prenorm, is_rms):  # fmt: skip
-    if _native(x) and (out := cpu.add_norm(x, residual, normalized_shape, weight, bias, eps, dropout_p, seed,
-                                           residual_dtype, prenorm, is_rms)) is not None:  # fmt: skip
-        return out
     # a plan serves calls without dropout (and no seed)
     plain = seed is None and type(dropout_p) in (float, int) and dropout_p == 0
     key = _plan_key(op, x, (residual, weight, bias), _shape_key(normalized_shape),
@@ -626,8 +610,6 @@ def _group_norm(op, input, num_groups, weight, bias, eps, key=None):
 def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
     """Same signature and semantics as :func:`torch.nn.functional.group_norm`: input (N, C, *),
     statistics per (sample, group of C / num_groups channels), per-channel weight and bias."""
-    if _native(input) and (y := cpu.group_norm(input, num_groups, weight, bias, eps)) is not None:
-        return y
     key = _plan_key("group_norm", input, (weight, bias), num_groups if type(num_groups) is int else None,
                     eps if type(eps) is float else None)  # fmt: skip
     plan = _stored_plan(key)
@@ -665,9 +647,6 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
     statistics normalize the input (a per-channel affine, computed with torch ops).
     """
     op = "instance_norm"
-    if _native(input) and (y := cpu.instance_norm(input, running_mean, running_var, weight, bias,
-                                                  use_input_stats, momentum, eps)) is not None:  # fmt: skip
-        return y
     _check_tensor(op, "input", input, required=True)
     if input.dim() < 2:
         raise InvalidArgument(f"{op}: input must have shape (N, C, *), got {list(input.shape)}")
@@ -718,9 +697,6 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
     statistics normalize the input. Forward and backward are deterministic.
     """
     op = "batch_norm"
-    if _native(input) and (y := cpu.batch_norm(input, running_mean, running_var, weight, bias, training,
-                                               momentum, eps)) is not None:  # fmt: skip
-        return y
     # momentum is an argument of the plan, not part of its key (nn.BatchNorm's cumulative average
     # passes a new one each step)
     key = _plan_key(op, input, (weight, bias, running_mean, running_var),

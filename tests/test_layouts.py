@@ -88,3 +88,10 @@ def test_other_layouts_are_copied_once():
     with dispatch.use_backend("cpu", "normkit.reference"):
         y = normkit.group_norm(x, 5)
     torch.testing.assert_close(y, F.group_norm(x, 5), atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("executor,shape,groups",
+                         executor_params([((1, 32, 33, 33), 1)], [((2, 512, 28, 28), 2)]))  # fmt: skip
+def test_channels_last_rows_past_the_fused_forward(run_on, monkeypatch, executor, shape, groups):
+    """GroupNorm rows too long for the fused forward (CUDA: group_norm._fwd_cl_kernel), fp32."""
+    test_channels_last_kept(run_on, monkeypatch, executor, shape, groups, torch.float32, "group_norm")

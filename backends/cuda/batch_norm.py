@@ -98,16 +98,20 @@ def _stats_part_kernel(
 
 
 @triton.jit
-def _cols_tile(p, N, C, SAMPLES, rs, RB: tl.constexpr, CB: tl.constexpr):
-    """Program ``p`` = (slice s, channel block)'s [RB samples, CB channels] tile at sample
-    ``s * SAMPLES + rs`` of an (N, C) input (HW = 1): offsets, mask, the channels and their mask."""
+def _cols(p, C, CB: tl.constexpr):
+    """Program ``p`` = (slice s, channel block) of the HW = 1 sums: s, its channels and their mask."""
     blocks = tl.cdiv(C, CB)
-    s = p // blocks
     c = (p % blocks) * CB + tl.arange(0, CB)
+    return p // blocks, c, c < C
+
+
+@triton.jit
+def _cols_tile(s, c, cm, N, C, SAMPLES, rs, RB: tl.constexpr):
+    """Offsets and mask of the [RB samples, channels ``c``] tile at sample ``s * SAMPLES + rs`` of
+    an (N, C) input (HW = 1)."""
     n = s * SAMPLES + rs + tl.arange(0, RB)
-    cm = c < C
     mask = ((n < N) & (n < (s + 1) * SAMPLES))[:, None] & cm[None, :]
-    return n.to(tl.int64)[:, None] * C + c[None, :], mask, c, cm
+    return n.to(tl.int64)[:, None] * C + c[None, :], mask
 
 
 @triton.jit
@@ -124,15 +128,13 @@ def _stats_part_cols_kernel(
 ):
     """_stats_part_kernel for HW = 1 in [samples, channels] tiles: a warp reads consecutive
     channels of a sample (one value a 32-byte sector in [samples, 1] tiles)."""
-    p = tl.program_id(0)
-    s = p // tl.cdiv(C, CB)
-    _, _, c, cm = _cols_tile(p, N, C, SAMPLES, 0, RB, CB)
+    s, c, cm = _cols(tl.program_id(0), C, CB)
     shift = tl.load(X + c, mask=cm, other=0.0).to(ACC)
     s1 = tl.zeros([RB, CB], ACC)
     s2 = tl.zeros([RB, CB], ACC)
     rows = tl.minimum(SAMPLES, N - s * SAMPLES)
     for rs in range(0, rows, RB):
-        at, mask, _, _ = _cols_tile(p, N, C, SAMPLES, rs, RB, CB)
+        at, mask = _cols_tile(s, c, cm, N, C, SAMPLES, rs, RB)
         xs = tl.where(mask, tl.load(X + at, mask=mask, other=0.0).to(ACC) - shift[None, :], 0.0)
         s1 += xs
         s2 += xs * xs
@@ -286,16 +288,14 @@ def _grad_sums_part_cols_kernel(
     ACC: tl.constexpr,
 ):
     """_grad_sums_part_kernel for HW = 1 in [samples, channels] tiles (see _stats_part_cols_kernel)."""
-    p = tl.program_id(0)
-    s = p // tl.cdiv(C, CB)
-    _, _, c, cm = _cols_tile(p, N, C, SAMPLES, 0, RB, CB)
+    s, c, cm = _cols(tl.program_id(0), C, CB)
     mean = tl.load(Mean + c, mask=cm, other=0.0).to(ACC)
     rstd = tl.load(Rstd + c, mask=cm, other=0.0).to(ACC)
     s_dy = tl.zeros([RB, CB], ACC)
     s_dyx = tl.zeros([RB, CB], ACC)
     rows = tl.minimum(SAMPLES, N - s * SAMPLES)
     for rs in range(0, rows, RB):
-        at, mask, _, _ = _cols_tile(p, N, C, SAMPLES, rs, RB, CB)
+        at, mask = _cols_tile(s, c, cm, N, C, SAMPLES, rs, RB)
         x = tl.load(X + at, mask=mask, other=0.0).to(ACC)
         dy = tl.load(DY + at, mask=mask, other=0.0).to(ACC)
         s_dy += dy

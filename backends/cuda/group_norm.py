@@ -86,8 +86,8 @@ def _fwd_fused_kernel(
 
 @triton.jit
 def _fwd_looped_kernel(
-    X,  # (N, C, HW) input, contiguous or channels-last (CL)
-    Y,  # (N, C, HW) out, X's layout
+    X,  # (N, C, HW) contiguous input
+    Y,  # (N, C, HW) out
     W,  # (C,) weight (unread unless HAS_W)
     B,  # (C,) bias (unread unless HAS_B)
     Mean,  # (N * G,) out, ACC
@@ -103,11 +103,10 @@ def _fwd_looped_kernel(
     HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
     ACC: tl.constexpr,
-    CL: tl.constexpr = False,  # X / Y channels-last: memory (N, HW, C)
 ):
     group_norm_row_fwd(X, Y, W, B, Mean, Rstd, tl.program_id(0), G, C, L, HW, Cg, reciprocal(L, ACC),
                        exact_eps(eps, eps_lo, ACC),
-                       BLOCK, HAS_W, HAS_B, ACC, CL)  # fmt: skip
+                       BLOCK, HAS_W, HAS_B, ACC, False)  # fmt: skip
 
 
 @triton.jit
@@ -123,6 +122,65 @@ def _bwd_tile(X, DY, base, ch, ch_mask, hs, C, HW, HWB: tl.constexpr, ACC: tl.co
     x = tl.load(X + at, mask=mask, other=0.0).to(ACC)
     dy = tl.load(DY + at, mask=mask, other=0.0).to(ACC)
     return at, mask, x, dy
+
+
+@triton.jit
+def _fwd_cl_kernel(
+    X,  # (N, C, HW) channels-last input: memory (N, HW, C)
+    Y,  # (N, C, HW) out, channels-last
+    W,  # (C,) weight (unread unless HAS_W)
+    B,  # (C,) bias (unread unless HAS_B)
+    Mean,  # (N * G,) out, ACC
+    Rstd,  # (N * G,) out, ACC
+    G,
+    C,
+    HW,
+    Cg,
+    eps,
+    eps_lo,  # eps - fp32(eps): fp64 kernels add it back (exact_eps)
+    CB: tl.constexpr,  # channels per tile; one program per (n, g) row
+    HWB: tl.constexpr,  # positions (of HW) per tile
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    """Forward of channels-last rows too long for the fused kernel: one program per (n, g) row
+    walks it twice in the backward's [channels, HW] tiles (channels contiguous in memory): sums of
+    x - (the row's first element) and its square in tile-shaped accumulators (exact enough once the
+    shift has taken the mean out, as BatchNorm's sums), then y."""
+    row = tl.program_id(0)
+    c0 = (row % G) * Cg
+    base = (row // G).to(tl.int64) * HW * C + c0
+    ci = tl.arange(0, CB)
+    shift = tl.load(X + base).to(ACC)
+    s1 = tl.zeros([CB, HWB], ACC)
+    s2 = tl.zeros([CB, HWB], ACC)
+    for cs in range(0, Cg, CB):
+        ch = cs + ci
+        for hs in range(0, HW, HWB):
+            at, mask, x, _ = _bwd_tile(X, X, base, ch, ch < Cg, hs, C, HW, HWB, ACC, True)
+            xs = tl.where(mask, x - shift, 0.0)
+            s1 += xs
+            s2 += xs * xs
+    inv_l = reciprocal(Cg * HW, ACC)
+    sum1 = tl.sum(tl.sum(s1, axis=1), axis=0)
+    mean = sum1 * inv_l
+    m2 = tl.maximum(tl.sum(tl.sum(s2, axis=1), axis=0) - sum1 * mean, 0.0, propagate_nan=tl.PropagateNan.ALL)
+    rstd = 1.0 / tl.sqrt(m2 * inv_l + exact_eps(eps, eps_lo, ACC))
+    tl.store(Mean + row, shift + mean)
+    tl.store(Rstd + row, rstd)
+    for cs in range(0, Cg, CB):
+        ch = cs + ci
+        ch_mask = ch < Cg
+        scale = tl.zeros([CB], ACC) + rstd
+        if HAS_W:
+            scale = scale * tl.load(W + c0 + ch, mask=ch_mask, other=0.0).to(ACC)
+        for hs in range(0, HW, HWB):
+            at, mask, x, _ = _bwd_tile(X, X, base, ch, ch_mask, hs, C, HW, HWB, ACC, True)
+            y = (x - shift - mean) * scale[:, None]
+            if HAS_B:
+                y = y + tl.load(B + c0 + ch, mask=ch_mask, other=0.0).to(ACC)[:, None]
+            tl.store(Y + at, y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -297,8 +355,8 @@ def _bwd_smem_kernel(
 
 def group_norm_fwd(x, weight, bias, num_groups, eps):
     """x: (N, C, HW), contiguous or channels-last (``common.channels_last``) -> (y in x's layout,
-    mean, rstd), statistics per (n, g): shape (N * G,). Channels-last inputs take the fused or the
-    looped kernel (read in place)."""
+    mean, rstd), statistics per (n, g): shape (N * G,). Channels-last inputs take the fused kernel or
+    ``_fwd_cl_kernel`` (read in place)."""
     N, C, HW = x.shape
     cl = channels_last(x)
     rows, L = N * num_groups, C // num_groups * HW
@@ -314,9 +372,14 @@ def group_norm_fwd(x, weight, bias, num_groups, eps):
     affine = weight is not None or bias is not None
     split = None if cfg.fused or cl else config.group_norm_split_forward(rows, L, num_groups, x.dtype,
                                                                          x.device, affine)  # fmt: skip
-    if cl:
-        flags["CL"] = True
-    if cfg.fused:
+    if cl and not cfg.fused:  # the backward's tiles (channels contiguous), walked twice
+        tile = config.group_norm_backward(rows, C // num_groups, HW, x.dtype)
+        launch(_fwd_cl_kernel, tile.grid, x, y, w, b, mean, rstd, num_groups, C, HW, C // num_groups, eps,
+               eps_lo, CB=tile.row_block, HWB=tile.hw_block,
+               **dict(flags, num_warps=tile.num_warps))  # fmt: skip
+    elif cfg.fused:
+        if cl:
+            flags["CL"] = True
         launch(_fwd_fused_kernel, cfg.grid, x, y, w, b, mean, rstd, rows, num_groups, HW, C // num_groups,
                eps, eps_lo, ROWS=cfg.rows, CB=cfg.row_block, HWB=cfg.hw_block, **flags)  # fmt: skip
     elif split is not None:

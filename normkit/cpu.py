@@ -30,6 +30,7 @@ import torch
 from normkit import dispatch
 
 _HALF = (torch.float16, torch.bfloat16)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def serves(input) -> bool:
@@ -47,6 +48,12 @@ def _eps(eps) -> bool:
 def _same_or_fp32(x: torch.Tensor, *params) -> bool:
     """Every given parameter a tensor of x's dtype, or all fp32 for a 16-bit x (torch's mixed-dtype
     rule)."""
+    dtype = x.dtype
+    for p in params:  # the common case first: plain tensors of x's dtype (dtypes are singletons)
+        if p is not None and (type(p) not in _PLAIN or p.dtype is not dtype):
+            break
+    else:
+        return True
     if not all(p is None or isinstance(p, torch.Tensor) for p in params):
         return False
     dtypes = {p.dtype for p in params if p is not None}
@@ -73,10 +80,10 @@ def rms_norm(input, normalized_shape, weight, eps):
         return None
     shape = (normalized_shape,) if type(normalized_shape) is int else normalized_shape
     try:
-        if weight is None or (weight.dtype == input.dtype and input.dtype not in _HALF):
-            return torch.rms_norm(input, shape, weight, eps)
-        if input.dtype in _HALF and weight.dtype in (input.dtype, torch.float32):
-            # fp32 math, one rounding (torch's 16-bit rms_norm rounds before the weight: twice)
+        if weight is None or weight.dtype is input.dtype:  # fp32 math, one rounding (torch 2.13's fused
+            return torch.rms_norm(input, shape, weight, eps)  # CPU kernel; tests/test_cpu.py checks it)
+        if input.dtype in _HALF and weight.dtype is torch.float32:
+            # torch's mixed-dtype rms_norm rounds before the weight (twice): fp32 math, one rounding
             return torch.rms_norm(input.float(), shape, weight.float(), eps).to(input.dtype)
     except _ERRORS:
         pass
@@ -84,12 +91,12 @@ def rms_norm(input, normalized_shape, weight, eps):
 
 
 def softmax(input, dim, dtype, log: bool):
-    if type(dim) is not int or input.dtype.is_complex:
+    if type(dim) is not int:
         return None
     if dtype is None:
         if not input.dtype.is_floating_point:
             return None
-    elif not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+    elif not (isinstance(dtype, torch.dtype) and dtype.is_floating_point) or input.dtype.is_complex:
         return None
     try:
         if log:
@@ -153,8 +160,8 @@ def group_norm(input, num_groups, weight, bias, eps):
         return None  # refused, or groups of one value (torch's backward fails there with a bias)
     if not _same_or_fp32(input, weight, bias) or (weight is None and bias is not None):
         return None  # (bias without weight: torch's backward fails on some shapes)
-    try:
-        return torch.nn.functional.group_norm(input, num_groups, weight, bias, eps)
+    try:  # (torch's own function under F.group_norm, whose checks the ones above cover)
+        return torch.group_norm(input, num_groups, weight, bias, eps, False)
     except _ERRORS:
         return None
 
@@ -191,8 +198,8 @@ def batch_norm(input, running_mean, running_var, weight, bias, training, momentu
         # 16-bit parameters with fp32 running statistics: torch takes all-fp32 parameters there
         weight = None if weight is None else weight.float()
         bias = None if bias is None else bias.float()
-    try:
-        return torch.nn.functional.batch_norm(input, running_mean, running_var, weight, bias, training,
-                                              momentum, eps)  # fmt: skip
+    try:  # (torch's own function under F.batch_norm, whose checks the ones above cover)
+        return torch.batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps,
+                                False)  # fmt: skip
     except _ERRORS:
         return None

@@ -39,14 +39,16 @@ def test_row_norms(no_reference, op, shape, dtype, affine):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_fp32_weights_with_16bit_inputs(no_reference, dtype):
-    """fp32 parameters with 16-bit activations, rounded once (torch's 16-bit rms_norm rounds
-    before multiplying by the weight: twice)."""
+    """fp32 parameters with 16-bit activations (and RMSNorm's 16-bit weight), rounded once from
+    the fp32 result (torch's rms_norm with an fp32 weight rounds before multiplying by it: twice)."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(64, 256, generator=g).to(dtype)
     w = torch.rand(256, generator=g) + 0.5
     b = torch.randn(256, generator=g)
     pairs = ((normkit.layer_norm(x, (256,), w, b), F.layer_norm(x.double(), (256,), w.double(), b.double())),
-             (normkit.rms_norm(x, (256,), w, 1e-6), F.rms_norm(x.double(), (256,), w.double(), 1e-6)))
+             (normkit.rms_norm(x, (256,), w, 1e-6), F.rms_norm(x.double(), (256,), w.double(), 1e-6)),
+             (normkit.rms_norm(x, (256,), w.to(dtype), 1e-6),  # 16-bit weight: torch's fused kernel
+              F.rms_norm(x.double(), (256,), w.to(dtype).double(), 1e-6)))
     for got, want in pairs:
         assert got.dtype == dtype
         expected = want.to(dtype)  # one rounding of the exact result

@@ -38,11 +38,6 @@ _IN_OVERRIDE = [0]
 _COUNT_LOCK = threading.Lock()
 
 
-def any_override() -> bool:
-    """Whether any context may have an override in effect (cheap; exact: :func:`overrides`)."""
-    return _IN_OVERRIDE[0] > 0
-
-
 @contextlib.contextmanager
 def _counted() -> Iterator[None]:
     with _COUNT_LOCK:

@@ -5,8 +5,9 @@
 # ../shared/tools/triton-for-device.sh (docs/backends.md, "Triton versions"). Logs go to $OUT (or
 # ./gpu-out), named after the Triton version. PYTEST_ARGS narrows the suite (default: tests);
 # PYTEST_TIMEOUT (s) interrupts it with SIGINT, so the summary of what ran is still printed;
-# BENCH=0 skips the benchmark; INSTALL=0 skips the editable install (done already). The machine's
-# own torch is used (--no-deps).
+# BENCH=0 skips the benchmark; INSTALL=0 skips the editable install (done already); GPUS=K spreads
+# the workers over K GPUs (worker I on GPU I % K, tests/conftest.py). The machine's own torch is
+# used (--no-deps).
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -17,7 +18,7 @@ tag=$(python3 -c 'import triton; print(triton.__version__)')
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, triton.__file__)'
 } | tee "$OUT/$tag-machine.txt"
-timeout -s INT "${PYTEST_TIMEOUT:-3600}" python3 -m pytest -m cuda -q -n "${WORKERS:-16}" -p no:cacheprovider \
+NORMKIT_TEST_GPUS=${GPUS:-} timeout -s INT "${PYTEST_TIMEOUT:-3600}" python3 -m pytest -m cuda -q -n "${WORKERS:-16}" -p no:cacheprovider \
   --tb=line -rf ${PYTEST_ARGS:-tests} > "$OUT/$tag-pytest.log" 2>&1
 status=$?
 grep -E "^FAILED|passed|failed" "$OUT/$tag-pytest.log" | tail -40

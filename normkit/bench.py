@@ -273,6 +273,9 @@ def make_inputs(case, device) -> dict:
 
     softmax = "softmax" in case.op
     inp = dict(x=rand(case.shape, 3.0 if softmax else 1.0), dy=rand(case.shape, grad=False))
+    if case.channels_last:
+        inp = {k: v.detach().contiguous(memory_format=torch.channels_last).requires_grad_(v.requires_grad)
+               for k, v in inp.items()}  # fmt: skip
     channels = case.shape[1] if case.op in IMAGE_OPS else case.shape[-1]
     if not softmax:
         inp["weight"] = rand((channels,), 0.5, 1.0)

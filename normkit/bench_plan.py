@@ -29,7 +29,7 @@ DIM0_OPS = ("softmax_dim0", "log_softmax_dim0")
 OPS = ROW_OPS + IMAGE_OPS + DIM0_OPS
 DTYPES = ("float16", "bfloat16", "float32")
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}  # bytes per element
-SUITES = ("sweep", "small", "few", "image", "dim0")
+SUITES = ("sweep", "small", "few", "image", "image_cl", "dim0")
 
 UNITS = {  # (forward, backward) bytes moved, in units of the input tensor's bytes (see module doc)
     "layer_norm": (2, 3), "rms_norm": (2, 3), "softmax": (2, 3), "log_softmax": (2, 3),
@@ -62,8 +62,13 @@ class Case:
     shape: tuple[int, ...]  # rows (M, N); dim0: (N, M), reduced along dim 0; image: (N, C, H, W)
 
     @property
+    def channels_last(self) -> bool:
+        """x and dy in torch.channels_last (the image_cl suite): the kernels read that layout."""
+        return self.suite == "image_cl"
+
+    @property
     def label(self) -> str:
-        return "x".join(map(str, self.shape))
+        return "x".join(map(str, self.shape)) + ("-cl" if self.channels_last else "")
 
     @property
     def numel(self) -> int:
@@ -88,7 +93,7 @@ class Case:
 
 def _suite_shapes(suite, ns, quick):
     """(ops, shapes) of one suite; ``ns`` overrides the row lengths of the N-swept suites."""
-    if suite == "image":
+    if suite in ("image", "image_cl"):
         return IMAGE_OPS, IMAGE_SHAPES[:1] if quick else IMAGE_SHAPES
     default = {"sweep": SWEEP_NS, "small": SMALL_NS, "few": FEW_NS, "dim0": DIM0_NS}[suite]
     ns = ns or ([{"sweep": 4096, "small": 256, "few": 4096, "dim0": 4096}[suite]] if quick else default)
@@ -110,8 +115,9 @@ def plan(suites=SUITES, ops=None, dtypes=None, ns=None, quick=False) -> list[Cas
                 continue
             for dtype in dtypes:
                 for shape in shapes:
-                    if (op, dtype, shape) not in seen:
-                        seen.add((op, dtype, shape))
+                    key = (op, dtype, tuple(shape), suite == "image_cl")
+                    if key not in seen:
+                        seen.add(key)
                         cases.append(Case(suite, op, dtype, tuple(shape)))
     return cases
 

@@ -84,7 +84,7 @@ def _executors(args):
         device = "cuda" if torch.cuda.is_available() else "npu" if npu_status()[0] else "cpu"
     executor, shapes = Executor(device, device), DEVICE_SHAPES
     if device == "cpu":
-        executor, shapes = Executor("reference", "cpu"), DEVICE_SHAPES[:-1]
+        executor, shapes = Executor("cpu", "cpu"), DEVICE_SHAPES[:-1]  # as a user's CPU calls run
     return [executor], shapes[:3] if args.quick else shapes
 
 
@@ -163,9 +163,10 @@ def cmd_check(args) -> int:
     elapsed = time.perf_counter() - start
     print(f"\n{len(rows) - failures}/{len(rows)} op x dtype groups passed in {elapsed:.1f}s "
           f"(fwd + bwd vs fp64 reference; shapes {_shapes(shapes)})")
-    if executors[0].backend == "reference":
-        print("No GPU/NPU found: checked the CPU reference. `normkit check --interpret` runs both "
-              "backends' Triton kernels through the Triton interpreter.")
+    if executors[0].backend == "cpu":
+        print("Checked CPU tensors as normkit serves them (torch's CPU operators, the reference for the "
+              "rest). `normkit check --interpret` runs both backends' Triton kernels through the Triton "
+              "interpreter.")
     return 1 if failures else 0
 
 
@@ -243,9 +244,11 @@ suites (default: all):
   few    row ops, M = 1, 16, 128 rows of N = 4096, 8192 (inference: forward under no_grad)
   image  group_norm (32 groups), batch_norm (training, running stats) on (N, C, H, W) =
          128x256x56x56, 256x512x28x28, 128x64x112x112 (ResNet-50 training), 32x256x56x56
+  image_cl  the image cases with x and dy in torch.channels_last (shapes labelled -cl)
   dim0   softmax_dim0, log_softmax_dim0: softmax along dim 0 of a contiguous (N, M) tensor,
          N = 1024, 4096, 32768, M = 2^27 // N
---quick: sweep N=4096, small N=256, few 16x4096, the first image shape, dim0 N=4096; bfloat16.
+--quick: sweep N=4096, small N=256, few 16x4096, the first image shape (both layouts), dim0 N=4096;
+bfloat16.
 
 devices (--device, default auto: cuda if available, else npu):
   cuda  normkit, torch eager, torch.compile, Liger-Kernel and quack (when importable), timed
@@ -331,7 +334,7 @@ def main(argv=None) -> int:
     check = sub.add_parser("check", help="fwd+bwd of every op x dtype x shape vs the fp64 reference "
                                          f"({', '.join(OPS)})")
     check.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "npu"],
-                       help="device to check (auto: cuda, else npu, else the CPU reference)")
+                       help="device to check (auto: cuda, else npu, else cpu, as normkit serves CPU tensors)")
     check.add_argument("--interpret", action="store_true",
                        help="run both backends' Triton kernels on CPU tensors through the Triton interpreter")
     check.add_argument("--quick", action="store_true",

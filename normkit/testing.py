@@ -104,21 +104,23 @@ def npu_status() -> tuple[bool, str]:
 
 @dataclass(frozen=True)
 class Executor:
-    """Run ``backend``'s kernels on tensors of ``device`` (cpu = Triton interpreter)."""
+    """Run ``backend``'s kernels on tensors of ``device`` (cpu = Triton interpreter). Backend
+    ``reference``: normkit.reference serves every call; ``cpu``: CPU tensors as a user's calls take
+    them, no override (torch's operators through normkit.cpu, the reference for the rest)."""
 
-    backend: str  # "cuda" | "npu" | "reference"
+    backend: str  # "cuda" | "npu" | "reference" | "cpu"
     device: str  # "cpu" | "cuda" | "npu"
 
     @property
     def module(self) -> str:
-        if self.backend == "reference":
+        if self.backend in ("reference", "cpu"):
             return "normkit.reference"
         return f"normkit.backends.{self.backend}"
 
     @property
     def name(self) -> str:
-        if self.backend == "reference":
-            return "reference"
+        if self.backend in ("reference", "cpu"):
+            return self.backend
         if self.device == "cpu":
             return f"{self.backend}-kernels-interpreter"
         if self.backend == self.device:
@@ -127,7 +129,7 @@ class Executor:
 
     def status(self) -> tuple[bool, str]:
         """(available, reason when not)."""
-        if self.backend == "reference":
+        if self.backend in ("reference", "cpu"):
             return True, ""
         if self.device == "cpu":
             if not interpreting():
@@ -150,6 +152,9 @@ class Executor:
 
     @contextlib.contextmanager
     def activate(self) -> Iterator[None]:
+        if self.backend == "cpu":
+            yield
+            return
         with dispatch.use_backend(self.device, self.module):
             yield
 

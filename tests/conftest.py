@@ -11,8 +11,14 @@ backends' kernels through the interpreter. NORMKIT_CHECK_LAUNCH_KEYS=1 is set he
 
 import os
 
-import pytest
-import torch
+# NORMKIT_TEST_GPUS=K (ci/gpu-suite.sh GPUS=K): pytest-xdist worker gwI sees only GPU I % K, so one
+# run spreads over K GPUs. Set before anything initializes CUDA in the worker.
+if os.environ.get("NORMKIT_TEST_GPUS") and os.environ.get("PYTEST_XDIST_WORKER", "").startswith("gw"):
+    _worker = int(os.environ["PYTEST_XDIST_WORKER"][2:])
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(_worker % int(os.environ["NORMKIT_TEST_GPUS"]))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from normkit.testing import Executor, npu_status
 

@@ -84,7 +84,7 @@ def test_gbps_and_fraction():
 
 def test_default_plan_covers_every_suite():
     cases = plan()
-    assert len({(c.op, c.dtype, c.shape) for c in cases}) == len(cases)
+    assert len({(c.op, c.dtype, c.label) for c in cases}) == len(cases)
     by_suite = {s: [c for c in cases if c.suite == s] for s in bench.SUITES}
     assert {c.shape[1] for c in by_suite["sweep"]} == set(bench.SWEEP_NS)
     assert all(c.m * c.n == 1 << 27 for c in by_suite["sweep"] + by_suite["small"] + by_suite["dim0"])
@@ -92,9 +92,11 @@ def test_default_plan_covers_every_suite():
     assert {c.shape for c in by_suite["few"]} == {(m, n) for m in (1, 16, 128) for n in (4096, 8192)}
     assert {c.shape for c in by_suite["image"]} == set(bench.IMAGE_SHAPES)
     assert {c.op for c in by_suite["image"]} == {"group_norm", "batch_norm"}
+    assert {(c.op, c.shape) for c in by_suite["image_cl"]} == {(c.op, c.shape) for c in by_suite["image"]}
+    assert all(c.channels_last and c.label.endswith("-cl") for c in by_suite["image_cl"])
     assert {c.shape[0] for c in by_suite["dim0"]} == {1024, 4096, 32768}
     assert {c.dtype for c in cases} == {"float16", "bfloat16", "float32"}
-    assert len(cases) == 3 * (6 * 9 + 6 * 4 + 6 * 6 + 2 * len(bench.IMAGE_SHAPES) + 2 * 3)
+    assert len(cases) == 3 * (6 * 9 + 6 * 4 + 6 * 6 + 2 * 2 * len(bench.IMAGE_SHAPES) + 2 * 3)
 
 
 def test_quick_is_a_small_bf16_subset_of_each_suite():
@@ -318,7 +320,7 @@ def test_progress_without_tqdm(monkeypatch, capsys):
 # --- the check-then-time loop on CPU (the reference serves normkit's CPU tensors) ----------------
 
 TINY = [bench.Case("sweep", op, dt, (6, 64)) for op in bench.ROW_OPS for dt in ("bfloat16", "float32")]
-TINY += [bench.Case("image", op, "float16", (2, 64, 3, 3)) for op in bench.IMAGE_OPS]
+TINY += [bench.Case(s, op, "float16", (2, 64, 3, 3)) for s in ("image", "image_cl") for op in bench.IMAGE_OPS]
 TINY += [bench.Case("dim0", op, "bfloat16", (64, 5)) for op in bench.DIM0_OPS]
 
 
@@ -329,7 +331,7 @@ def fake_timer(fn):
 
 def test_run_checks_every_op_on_cpu():
     rows, sections = bench.run(TINY, ["normkit", "torch"], "cpu", fake_timer, copy=100.0)
-    assert len(rows) == 2 * len(TINY) and set(sections) == {"sweep", "image", "dim0"}
+    assert len(rows) == 2 * len(TINY) and set(sections) == {"sweep", "image", "image_cl", "dim0"}
     bad = [(r["impl"], r["op"], r["dtype"], r["error"]) for r in rows if (r["fwd_status"], r["bwd_status"])
            != ("ok", "ok")]  # fmt: skip
     assert not bad

@@ -181,7 +181,19 @@ def test_check_exits_1_when_a_check_fails(fails, status, monkeypatch, capsys):
     groups = len(cli.OPS) * 3
     assert f"{groups - fails}/{groups} op x dtype groups passed" in out
     if fails:
-        assert "reference softmax float32 (1, 1): y: mismatch\n" in err
+        assert "cpu softmax float32 (1, 1): y: mismatch\n" in err
+
+
+def test_check_cpu_checks_what_users_get():
+    """`check --device cpu` runs CPU calls as a user's run (torch's operators through normkit.cpu),
+    not under a reference override."""
+    from normkit import cpu, dispatch
+
+    args = argparse.Namespace(interpret=False, quick=True, device="cpu")
+    (executor,), _ = cli._executors(args)
+    assert executor.name == "cpu"
+    with executor.activate():
+        assert dispatch._IN_OVERRIDE[0] == 0 and cpu.serves(torch.ones(2))
 
 
 # --- normkit check --interpret --quick --------------------------------------------------------------
@@ -230,8 +242,8 @@ def test_readme_states_the_bench_case_counts(capsys):
     readme = (ROOT / "README.md").read_text()
     full = int(re.search(r"The full run \((\d+) cases\)", readme)[1])
     quick = int(re.search(r"`--quick` \((\d+) cases\)", readme)[1])
-    assert full == len(bench_plan.plan()) == 3 * (6 * 9 + 6 * 4 + 6 * 6 + 2 * 4 + 2 * 3) == 384
-    assert quick == len(bench_plan.plan(quick=True)) == 6 * 3 + 2 + 2 == 22
+    assert full == len(bench_plan.plan()) == 3 * (6 * 9 + 6 * 4 + 6 * 6 + 2 * 4 * 2 + 2 * 3) == 408
+    assert quick == len(bench_plan.plan(quick=True)) == 6 * 3 + 2 * 2 + 2 == 24
     assert cli.main(["bench", "--list"]) == 0
     out, err = capsys.readouterr()
     assert len(out.splitlines()) == full and err == f"{full} cases\n"

@@ -13,7 +13,7 @@ import normkit
 from normkit import dispatch
 from normkit.testing import Executor, assert_close
 
-NATIVE = Executor("reference", "cpu")  # stands for CPU tensors with no override: torch's own operators
+NATIVE = Executor("cpu", "cpu")  # CPU tensors with no override: torch's own operators
 # (shape, groups): 4-D and 5-D; groups of one channel (InstanceNorm's case), of several, all channels
 INTERPRETER_CASES = [((2, 6, 5, 3), 3), ((2, 4, 3, 2, 3), 2), ((1, 8, 4, 4), 1)]
 DEVICE_CASES = [((4, 64, 28, 28), 32), ((2, 32, 8, 16, 16), 8), ((8, 256, 14, 14), 1), ((2, 6, 33, 35), 6)]

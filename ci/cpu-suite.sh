@@ -29,4 +29,4 @@ pytest -m npu -q -rs | tail -3
 # Last, so the log ends with the suite's own summary line (N passed, M skipped).
 echo "== README quick start: the test suite (-v added so the log lists each test)"
 python -c 'import torch, triton, numpy; print("torch", torch.__version__, "triton", triton.__version__, "numpy", numpy.__version__)'
-pytest -v
+pytest -n auto -v

@@ -4,7 +4,8 @@
 # Uses whichever triton imports: PYTHONPATH may point at another release unpacked from
 # ../shared/tools/triton-for-device.sh (docs/backends.md, "Triton versions"). Logs go to $OUT (or
 # ./gpu-out), named after the Triton version. PYTEST_ARGS narrows the suite (default: tests);
-# PYTEST_TIMEOUT (s) interrupts it with SIGINT, so the summary of what ran is still printed;
+# PYTEST_TIMEOUT (s) interrupts it with SIGINT, so the summary of what ran is still printed (and the
+# run counts as failed);
 # BENCH=0 skips the benchmark; INSTALL=0 skips the editable install (done already); GPUS=K spreads
 # the workers over K GPUs (worker I on GPU I % K, tests/conftest.py). The machine's own torch is
 # used (--no-deps).
@@ -19,9 +20,13 @@ tag=$(python3 -c 'import triton; print(triton.__version__)')
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, triton.__file__)'
 } | tee "$OUT/$tag-machine.txt"
 NORMKIT_TEST_GPUS=${GPUS:-} timeout -s INT "${PYTEST_TIMEOUT:-3600}" python3 -m pytest -m cuda -q -n "${WORKERS:-16}" -p no:cacheprovider \
-  --tb=line -rf ${PYTEST_ARGS:-tests} > "$OUT/$tag-pytest.log" 2>&1
+  --tb=line -rf --durations=30 --junitxml="$OUT/$tag-junit.xml" ${PYTEST_ARGS:-tests} > "$OUT/$tag-pytest.log" 2>&1
 status=$?
 grep -E "^FAILED|passed|failed" "$OUT/$tag-pytest.log" | tail -40
+if grep -q "KeyboardInterrupt" "$OUT/$tag-pytest.log"; then  # the totals above are then not the suite's
+  echo "INTERRUPTED after ${PYTEST_TIMEOUT:-3600} s: not every test ran ($tag-junit.xml lists those that did)"
+  status=1
+fi
 if [ "${BENCH:-1}" = 1 ]; then
   python3 -m normkit bench --quick --impls normkit,torch 2>&1 | tee "$OUT/$tag-bench-quick.txt" | tail -30
 fi

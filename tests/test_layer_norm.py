@@ -25,12 +25,15 @@ DEVICE_SHAPES = [(m, n) for m in (1, 3, 128, 1151) for n in (1, 7, 1023, 1024, 1
 # Under the interpreter: one shape per code path (fused single row / many rows per program, tile
 # edges, multi-tile NPU rows, the CUDA looped path at 40999 > FUSED_MAX_N_BWD), kept small for CI.
 INTERPRETER_SHAPES = [(1, 1), (3, 7), (1151, 7), (3, 1023), (1, 1024), (2, 1025), (2, 4096), (2, 40999)]
+# The NPU kernels' many-rows case: 67 rows over the interpreter's 4 programs (uneven: 17, 17, 17, 16).
+NPU_INTERPRETER_SHAPES = [(67, 7) if s == (1151, 7) else s for s in INTERPRETER_SHAPES]
 
 
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("executor,shape", executor_params(
-    [(s,) for s in INTERPRETER_SHAPES], [(s,) for s in DEVICE_SHAPES]))  # fmt: skip
+    [(s,) for s in INTERPRETER_SHAPES], [(s,) for s in DEVICE_SHAPES],
+    [(s,) for s in NPU_INTERPRETER_SHAPES]))  # fmt: skip
 def test_matches_reference(run_on, executor, shape, dtype, op):
     with run_on(executor, dtype):
         check_case(op, shape, 1, dtype, executor.device, seed=zlib.crc32(f"{shape}{op}".encode()))
@@ -169,7 +172,8 @@ def test_fp32_weight_with_half_input(run_on, executor, shape, op):
 
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("executor,shape", executor_params(
-    [((1151, 7),), ((5, 40999),)], [((4096, 1024),), ((1151, 4097),), ((64, 40999),)]))  # fmt: skip
+    [((1151, 7),), ((5, 40999),)], [((4096, 1024),), ((1151, 4097),), ((64, 40999),)],
+    [((67, 7),), ((5, 40999),)]))  # fmt: skip
 def test_weight_grad_is_deterministic(run_on, executor, shape, op):
     """Two backward passes on the same inputs give bitwise-equal dweight / dbias / dx."""
     with run_on(executor, torch.bfloat16):

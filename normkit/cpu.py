@@ -38,7 +38,7 @@ def serves(input) -> bool:
     override in effect in any context (the tests' interpreter executors; ``dispatch.use_backend``).
     A module-global read, not the ContextVar: cheap, and traceable by torch.compile."""
     return type(input) is torch.Tensor and input.is_cpu and not dispatch._IN_OVERRIDE[0]
-_ERRORS = (RuntimeError, TypeError, ValueError, IndexError, AttributeError)
+ERRORS = (RuntimeError, TypeError, ValueError, IndexError, AttributeError)
 
 
 def _eps(eps) -> bool:
@@ -66,15 +66,12 @@ def layer_norm(input, normalized_shape, weight, bias, eps):
     shape = (normalized_shape,) if type(normalized_shape) is int else normalized_shape
     try:
         return torch.layer_norm(input, shape, weight, bias, eps)
-    except _ERRORS:
+    except ERRORS:
         return None
 
 
 def rms_norm(input, normalized_shape, weight, eps):
-    if not (input.dtype.is_floating_point and input.numel()):
-        return None
-    eps = torch.finfo(input.dtype).eps if eps is None else eps  # (as torch)
-    if not _eps(eps):
+    if not (input.dtype.is_floating_point and input.numel() and (eps is None or _eps(eps))):
         return None
     if weight is not None and not isinstance(weight, torch.Tensor):
         return None
@@ -82,15 +79,21 @@ def rms_norm(input, normalized_shape, weight, eps):
     try:
         if weight is None or weight.dtype is input.dtype:  # fp32 math, one rounding (torch 2.13's fused
             return torch.rms_norm(input, shape, weight, eps)  # CPU kernel; tests/test_cpu.py checks it)
-        if input.dtype in _HALF and weight.dtype is torch.float32:
+        if input.dtype in _HALF and weight.dtype is torch.float32:  # eps None: finfo(input.dtype).eps
+            eps = torch.finfo(input.dtype).eps if eps is None else eps
             # torch's mixed-dtype rms_norm rounds before the weight (twice): fp32 math, one rounding
             return torch.rms_norm(input.float(), shape, weight.float(), eps).to(input.dtype)
-    except _ERRORS:
+    except ERRORS:
         pass
     return None
 
 
 def softmax(input, dim, dtype, log: bool):
+    if dtype is None and type(dim) is int and input.dtype.is_floating_point:  # the common call
+        try:
+            return input.log_softmax(dim) if log else input.softmax(dim)
+        except ERRORS:
+            return None
     if type(dim) is not int:
         return None
     if dtype is None:
@@ -102,13 +105,32 @@ def softmax(input, dim, dtype, log: bool):
         if log:
             return input.log_softmax(dim) if dtype is None else input.log_softmax(dim, dtype=dtype)
         return input.softmax(dim) if dtype is None else input.softmax(dim, dtype=dtype)
-    except _ERRORS:
+    except ERRORS:
         return None
 
 
 def add_norm(x, residual, normalized_shape, weight, bias, eps, dropout_p, seed, residual_dtype, prenorm,
              is_rms):  # fmt: skip
     """``h = x + residual`` in one rounding to h's dtype, then the norm of h in x's dtype."""
+    if (type(residual) is torch.Tensor and residual_dtype is None and seed is None and dropout_p == 0
+            and type(dropout_p) in (float, int) and residual.dtype is x.dtype and type(prenorm) is bool
+            and x.dtype.is_floating_point and residual.shape == x.shape and x.numel()
+            and (eps is None or _eps(eps))):  # fmt: skip
+        # the common call, at the cost of torch's ops (~1 us of checks at 1x8: docs/performance.md)
+        shape = (normalized_shape,) if type(normalized_shape) is int else normalized_shape
+        try:
+            h = x + residual  # fp32 math for 16-bit tensors, one rounding
+            if not is_rms:
+                y = None if eps is None else torch.layer_norm(h, shape, weight, bias, eps)
+            elif weight is None or weight.dtype is x.dtype:  # (eps None: torch's is finfo(h.dtype).eps)
+                y = torch.rms_norm(h, shape, weight, eps)
+            else:
+                y = rms_norm(h, normalized_shape, weight, eps)
+        except ERRORS:
+            return None
+        if y is None:
+            return None
+        return (y, h) if prenorm else y
     if not (type(dropout_p) in (float, int) and dropout_p == 0 and x.dtype.is_floating_point):
         return None
     eps = torch.finfo(x.dtype).eps if eps is None and is_rms else eps  # (as rms_norm)
@@ -144,7 +166,7 @@ def add_norm(x, residual, normalized_shape, weight, bias, eps, dropout_p, seed, 
             y = (rms_norm(h, normalized_shape, w, eps) if is_rms
                  else layer_norm(h, normalized_shape, w, b, eps))  # fmt: skip
             y = None if y is None else y.to(x.dtype)
-    except _ERRORS:
+    except ERRORS:
         return None
     if y is None:
         return None
@@ -162,7 +184,7 @@ def group_norm(input, num_groups, weight, bias, eps):
         return None  # (bias without weight: torch's backward fails on some shapes)
     try:  # (torch's own function under F.group_norm, whose checks the ones above cover)
         return torch.group_norm(input, num_groups, weight, bias, eps, False)
-    except _ERRORS:
+    except ERRORS:
         return None
 
 
@@ -180,11 +202,28 @@ def instance_norm(input, running_mean, running_var, weight, bias, use_input_stat
     try:
         return torch.nn.functional.instance_norm(input, running_mean, running_var, weight, bias, True,
                                                  momentum, eps)  # fmt: skip
-    except _ERRORS:
+    except ERRORS:
         return None
 
 
+def _plain_of(dtype, t) -> bool:
+    return t is None or (type(t) in _PLAIN and t.dtype is dtype)
+
+
 def batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps):
+    dtype = input.dtype
+    if (type(momentum) is float and type(eps) is float and 0 < eps < math.inf and dtype.is_floating_point
+            and _plain_of(dtype, weight) and _plain_of(dtype, bias) and input.dim() >= 2
+            and (running_mean is None) is (running_var is None) and _plain_of(dtype, running_mean)
+            and _plain_of(dtype, running_var) and input.numel()):  # fmt: skip
+        # the common call: every tensor of input's dtype (~1 us of checks at 1x8: docs/performance.md)
+        served = training is True and input.numel() > input.shape[1]  # (more than one value a channel)
+        if served or training is False and running_mean is not None:
+            try:
+                return torch.batch_norm(input, weight, bias, running_mean, running_var, training, momentum,
+                                        eps, False)  # fmt: skip
+            except ERRORS:
+                return None
     if not (type(training) is bool and _eps(eps) and eps > 0 and type(momentum) is float
             and input.dtype.is_floating_point and input.dim() >= 2 and input.numel()):  # fmt: skip
         return None
@@ -201,5 +240,5 @@ def batch_norm(input, running_mean, running_var, weight, bias, training, momentu
     try:  # (torch's own function under F.batch_norm, whose checks the ones above cover)
         return torch.batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps,
                                 False)  # fmt: skip
-    except _ERRORS:
+    except ERRORS:
         return None

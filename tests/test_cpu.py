@@ -75,6 +75,30 @@ def test_add_norms_fp32_residual_stream(no_reference, op):
     check_add_norm_case(op, (16, 512), torch.bfloat16, "cpu", residual_dtype=torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_add_rms_norm_fp32_weight_rounds_once(no_reference, dtype):
+    """16-bit x and residual with an fp32 weight: h = x + residual rounded once to x's dtype, then
+    RMSNorm in fp32 rounded once (torch's mixed-dtype rms_norm would round twice)."""
+    g = torch.Generator().manual_seed(5)
+    x, r = (torch.randn(64, 256, generator=g).to(dtype) for _ in range(2))
+    w = torch.rand(256, generator=g) + 0.5
+    for eps in (None, 0.1):
+        y, h = normkit.add_rms_norm(x, r, (256,), w, eps=eps, prenorm=True)
+        h_exact = x.double() + r.double()
+        assert h.dtype == y.dtype == dtype and torch.equal(h, h_exact.to(dtype))
+        want = F.rms_norm(h.double(), (256,), w.double(), torch.finfo(dtype).eps if eps is None else eps)
+        assert (y != want.to(dtype)).float().mean() < 0.02, "not rounded once from the fp32 result"
+        torch.testing.assert_close(y.double(), want, atol=0, rtol=torch.finfo(dtype).eps * 2)
+
+
+@pytest.mark.parametrize("op", ["softmax", "log_softmax"])
+def test_softmax_dtype_in_stacklevel_slot_is_refused_on_cpu(op):
+    """The CPU fast path keeps functional's refusal of a dtype passed as the third positional
+    argument (torch's _stacklevel)."""
+    with pytest.raises(TypeError, match="_stacklevel"):
+        getattr(normkit, op)(torch.randn(2, 3), -1, torch.float64)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape,groups", [((4, 32, 7, 7), 8), ((2, 6, 33), 6), ((8, 512), 32)], ids=str)
 def test_group_norm(no_reference, shape, groups, dtype):

@@ -234,3 +234,55 @@ def test_unused_h_sends_no_gradient(monkeypatch, op):
         (y.sum() + 2 * h.sum()).backward()
     assert seen[0] is None
     assert seen[1] is not None and torch.equal(seen[1], torch.full_like(h, 2.0))
+
+
+# --- the dropout mask against the documented formula (docs/numerics.md, "Dropout") ----------------
+# An independent Philox4x32-10 as Triton's tl.rand runs it: counter (offset low, offset high, 0, 0),
+# key (seed low, seed high), the first output word as a signed int scaled to [0, 1).
+
+_ROUND_A, _ROUND_B, _KEY_A, _KEY_B = 0xD2511F53, 0xCD9E8D57, 0x9E3779B9, 0xBB67AE85
+_U32 = 0xFFFFFFFF
+
+
+def _philox_uniform(seed: int, offset: int) -> float:
+    c0, c1, c2, c3 = offset & _U32, offset >> 32, 0, 0
+    k0, k1 = seed & _U32, seed >> 32
+    for _ in range(10):
+        hi_b, hi_a = (_ROUND_B * c2) >> 32, (_ROUND_A * c0) >> 32  # umulhi
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, (_ROUND_B * c2) & _U32, hi_a ^ c3 ^ k1, (_ROUND_A * c0) & _U32
+        k0, k1 = (k0 + _KEY_A) & _U32, (k1 + _KEY_B) & _U32
+    signed = c0 - (1 << 32) if c0 >> 31 else c0  # bitcast to int32
+    signed = -signed - 1 if signed < 0 else signed
+    return (torch.tensor(float(signed), dtype=torch.float32) * torch.tensor(4.6566127342e-10)).item()
+
+
+def documented_keep(backend: str, shape, p: float, seed: int) -> torch.Tensor:
+    """CUDA kernels: tl.rand(seed, row * N + col); NPU kernels: tl.rand(seed ^ (row << 32), col).
+    Kept where the draw is >= p (as fp32)."""
+    M, N = shape
+    p32 = torch.tensor(p, dtype=torch.float32).item()
+    keep = torch.empty(M, N, dtype=torch.bool)
+    for row in range(M):
+        for col in range(N):
+            if backend == "cuda":
+                keep[row, col] = _philox_uniform(seed, row * N + col) >= p32
+            else:
+                keep[row, col] = _philox_uniform(seed ^ (row << 32), col) >= p32
+    return keep
+
+
+@pytest.mark.parametrize("op", ADD_OPS)
+@pytest.mark.parametrize("executor,shape", executor_params([((6, 150),), ((3, 1100),)],
+                                                           [((6, 150),), ((3, 1100),)]))  # fmt: skip
+def test_dropout_mask_is_the_documented_philox(run_on, executor, shape, op):
+    """The kernels' mask element by element against the formula in docs/numerics.md, and rows /
+    columns that differ (a mask drawn from one key per row, or per column, repeats)."""
+    seed, p = 20261126 + len(op), 0.4
+    with run_on(executor, torch.float32):
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(1)).add_(0.5).to(executor.device)
+        got = dropout_keep_mask(op, x, p, seed).cpu()
+    want = documented_keep(executor.backend, shape, p, seed)
+    assert torch.equal(got, want), f"{(got != want).sum().item()} of {got.numel()} mask bits differ"
+    assert len({tuple(r.tolist()) for r in got}) == shape[0], "two rows share a mask"
+    same = (got[:, 1:] == got[:, :-1]).all(dim=0).float().mean().item()  # ~0.52^M by chance
+    assert same < 0.5, f"{same:.0%} of adjacent columns share their mask"

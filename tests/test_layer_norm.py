@@ -35,8 +35,11 @@ NPU_INTERPRETER_SHAPES = [(67, 7) if s == (1151, 7) else s for s in INTERPRETER_
     [(s,) for s in INTERPRETER_SHAPES], [(s,) for s in DEVICE_SHAPES],
     [(s,) for s in NPU_INTERPRETER_SHAPES]))  # fmt: skip
 def test_matches_reference(run_on, executor, shape, dtype, op):
+    """Every shape and dtype against fp64; eps 0.1 for bf16 and fp32 (the default for fp16), where
+    an eps ignored, or added outside the square root, is far outside tolerance."""
+    eps = None if dtype == torch.float16 else 0.1
     with run_on(executor, dtype):
-        check_case(op, shape, 1, dtype, executor.device, seed=zlib.crc32(f"{shape}{op}".encode()))
+        check_case(op, shape, 1, dtype, executor.device, eps=eps, seed=zlib.crc32(f"{shape}{op}".encode()))
 
 
 AFFINE = [(False, False), (True, False), (False, True)]  # (weight, bias); both is the main test
@@ -159,15 +162,17 @@ def test_fp32_weight_with_half_input(run_on, executor, shape, op):
     backward's rows in parts hold the fp32 weight in shared memory)."""
     with run_on(executor, torch.bfloat16):
         inputs = make_inputs(op, shape, 1, torch.bfloat16, executor.device)
-        for key in ("weight", "bias"):
+        for key in ("weight", "bias"):  # fp32 values no bf16 holds (a rounded weight would differ)
             if inputs[key] is not None:
-                inputs[key] = inputs[key].float()
+                inputs[key] = inputs[key].float() * (1 + 2**-12)
         out = public_results(op, eps=1e-5, **inputs)
         ref = reference_results(op, eps=1e-5, **inputs)
         assert out["y"].dtype == torch.bfloat16 and out["dweight"].dtype == torch.float32
         assert_close(out["y"], ref["y"], torch.bfloat16, "fwd", "y")
         assert_close(out["dx"], ref["dx"], torch.bfloat16, "bwd", "dx")
-        assert_close(out["dweight"], ref["dweight"], torch.bfloat16, "param", "dweight", shape[0])
+        # the fp32 weight's gradient is summed in fp32 from exact bf16 products: fp32 tolerance (a
+        # weight rounded to bf16 on the way would bring its gradient back rounded to bf16 too)
+        assert_close(out["dweight"], ref["dweight"], torch.float32, "param", "dweight", shape[0])
 
 
 @pytest.mark.parametrize("op", OPS)

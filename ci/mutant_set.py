@@ -1,0 +1,136 @@
+"""The mutants of ci/mutants.py: one realistic bug each, with the tests that must catch it.
+
+Grouped by what they mutate: the front end (normkit/), the CPU path, the reference (which is also
+the CPU backend), the kernels' shared helpers (backends/common.py), the NPU kernels and the CUDA
+kernels. ``device="cpu"`` mutants run under CI (the interpreter executors and the CPU suite);
+``device="cuda"`` ones reach code that only runs on a GPU (split rows, shared memory, plans, the
+launcher) and run with ``--device cuda`` on a GPU machine.
+"""
+
+from mutants import Mutant
+
+LN = "tests/test_layer_norm.py"
+SM = "tests/test_softmax.py"
+ADD = "tests/test_add_norm.py"
+NPU_I = "npu-kernels-interpreter"
+CUDA_I = "cuda-kernels-interpreter"
+
+
+def _k(*words: str) -> tuple[str, str]:
+    return "-k", " and ".join(words)
+
+
+MUTANTS = [
+    # --- front end ---------------------------------------------------------------------------------
+    Mutant("functional-layer_norm-ignores-eps", "normkit/functional.py", "layer_norm",
+           '"layer_norm", input, normalized_shape, eps, torch_dtypes=True',
+           '"layer_norm", input, normalized_shape, 1e-5, torch_dtypes=True',
+           (LN, *_k("test_matches_reference", CUDA_I)), what="every LayerNorm uses eps = 1e-5"),
+    Mutant("functional-rms_norm-rounds-fp32-weight", "normkit/functional.py", "rms_norm",
+           '_prepare("rms_norm", input, normalized_shape, eps, weight=weight)',
+           '_prepare("rms_norm", input, normalized_shape, eps, '
+           'weight=weight if weight is None else weight.to(input.dtype))',
+           (LN, *_k("fp32_weight", CUDA_I)),
+           what="an fp32 RMSNorm weight rounded to a 16-bit input's dtype"),
+    Mutant("functional-softmax-wrong-dim-back", "normkit/functional.py", "_softmax",
+           "y if last else y.movedim(-1, dim)", "y if last else y.movedim(-1, 0)",
+           (SM, *_k("test_any_dim", CUDA_I)), what="a non-last dim's result moved back to dim 0"),
+    Mutant("functional-add-norm-prenorm-returns-y", "normkit/functional.py", "_add_norm",
+           "    y, h = _shaped(y, x), _shaped(h, x)\n    return (y, h) if prenorm else y",
+           "    y, h = _shaped(y, x), _shaped(h, x)\n    return (y, y) if prenorm else y",
+           (ADD, *_k("test_matches_reference", CUDA_I)), what="prenorm=True returns y for h"),
+    # --- the CPU path (torch's operators) -------------------------------------------------------------
+    Mutant("cpu-add-norm-drops-residual", "normkit/cpu.py", "add_norm",
+           "h = x + residual  # the common call's h", "h = x + 0 * residual  # the common call's h",
+           ("tests/test_cpu.py", "-k", "add_norms"), what="h = x: the residual dropped"),
+    Mutant("cpu-layer-norm-drops-bias", "normkit/cpu.py", "layer_norm",
+           "return torch.layer_norm(input, shape, weight, bias, eps)",
+           "return torch.layer_norm(input, shape, weight, None, eps)",
+           ("tests/test_cpu.py", "-k", "row_norms"), what="LayerNorm on CPU without its bias"),
+    Mutant("cpu-batch-norm-eval-statistics", "normkit/cpu.py", "batch_norm",
+           "running_var, training, momentum,\n                                        eps, False)",
+           "running_var, False, momentum,\n                                        eps, False)",
+           ("tests/test_cpu.py", "-k", "batch_norm"),
+           what="training BatchNorm normalizes by the running statistics"),
+    Mutant("cpu-16bit-layer-norm-grads-by-torch", "normkit/cpu.py", "_layer_norm",
+           "if input.dtype in _HALF and _differentiated(weight, bias):", "if False:",
+           ("tests/test_cpu.py", "-k", "row_norms and layer_norm"),
+           what="16-bit LayerNorm weight / bias gradients from torch's 16-bit CPU sums"),
+    Mutant("cpu-16bit-group-norm-grads-by-torch", "normkit/cpu.py", "group_norm",
+           "if input.dtype in _HALF and _differentiated(input, weight, bias):", "if False:",
+           ("tests/test_cpu.py", "-k", "test_group_norm"),
+           what="16-bit GroupNorm gradients from torch's CPU backward"),
+    # --- the reference (the CPU backend, and the tests' oracle) -----------------------------------------
+    Mutant("reference-momentum-inverted", "normkit/reference.py", "update_running_stats",
+           "running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)",
+           "running_mean.mul_(momentum).add_(mean.to(running_mean.dtype), alpha=1 - momentum)",
+           ("tests/test_batch_norm.py", "tests/test_torch_parity.py", "-k", "batch_norm or running"),
+           what="running mean = momentum * running + (1 - momentum) * batch"),
+    Mutant("reference-running-var-biased", "normkit/reference.py", "update_running_stats",
+           "unbiased = (var * (count / (count - 1)))", "unbiased = (var * 1.0)",
+           ("tests/test_batch_norm.py", "tests/test_torch_parity.py", "-k", "batch_norm or running"),
+           what="the running variance takes the biased batch variance"),
+    Mutant("reference-log-softmax-bwd-sign", "normkit/reference.py", "softmax_bwd",
+           "dx = dyf - torch.exp(yf) * dyf.sum(dim=1, keepdim=True)",
+           "dx = dyf + torch.exp(yf) * dyf.sum(dim=1, keepdim=True)",
+           ("tests/test_torch_parity.py", "-k", "softmax"), what="log_softmax's backward with a + sign"),
+    # --- kernels' shared helpers (both backends) --------------------------------------------------------
+    Mutant("common-online-max-no-rescale", "backends/common.py", "online_max_sum",
+           "s = s * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), axis=0)",
+           "s = s + tl.sum(tl.exp(x - shift), axis=0)",
+           (SM, *_k("test_matches_reference", "40999")),
+           what="the running sum is not rescaled to a new max"),
+    Mutant("common-chan-merge-wrong-weight", "backends/common.py", "chan_merge",
+           "mean = mean + delta * (count / total)", "mean = mean + delta * (seen / total)",
+           (LN, *_k("test_matches_reference", NPU_I, "layer_norm")),
+           what="Chan's merge weighs the old mean"),
+    Mutant("common-dropout-unscaled", "backends/common.py", "residual_add",
+           "x = tl.where(tl.rand(seed, offsets) >= p, x * scale, 0.0)",
+           "x = tl.where(tl.rand(seed, offsets) >= p, x, 0.0)",
+           (ADD, *_k("interpreter", "dropout")), what="kept elements not scaled by 1 / (1 - p)"),
+    Mutant("common-group-norm-cl-transposed", "backends/common.py", "group_norm_at",
+           "return base + (j // Cg) * C + j % Cg, j % Cg", "return base + (j % Cg) * C + j // Cg, j % Cg",
+           ("tests/test_layouts.py", *_k("interpreter", "group_norm")),
+           what="a channels-last group read with position and channel swapped"),
+    # --- NPU kernels (under the interpreter) ------------------------------------------------------------
+    Mutant("npu-rms-eps-outside-sqrt", "backends/npu/layer_norm.py", "_fwd_kernel",
+           "rstd = 1.0 / tl.sqrt(m2 * inv_n + eps)", "rstd = 1.0 / (tl.sqrt(m2 * inv_n) + eps)",
+           (LN, *_k("test_matches_reference", NPU_I)), what="1 / (sqrt(var) + eps)"),
+    Mutant("npu-dropout-one-key", "backends/npu/layer_norm.py", "_fwd_kernel",
+           "key = seed ^ (row64 << 32)", "key = seed + 0 * row64",
+           (ADD, *_k(NPU_I, "documented_philox")), also=(("_bwd_dx_kernel", "key = seed ^ (row64 << 32)",
+                                                 "key = seed + 0 * row64"),),
+           what="every row's dropout mask drawn from one key (forward and backward alike)"),
+    Mutant("npu-row-chunks-drop-tail", "backends/npu/config.py", "row_chunks",
+           "chunks = -(-M // per_chunk) if M else 0", "chunks = M // per_chunk if M else 0",
+           (LN, *_k("test_matches_reference", NPU_I)),
+           what="the backward's last, short row chunk skipped"),
+    Mutant("npu-layer-norm-bwd-drops-c2", "backends/npu/layer_norm.py", "_bwd_dx_kernel",
+           "dx = (wdy - (xhat * tl.load(C1 + row) + tl.load(C2 + row))) * rstd",
+           "dx = (wdy - xhat * tl.load(C1 + row)) * rstd",
+           (LN, *_k("test_matches_reference", NPU_I, "layer_norm")),
+           what="LayerNorm dx without the mean term"),
+    # --- CUDA kernels that run under the interpreter ----------------------------------------------------
+    Mutant("cuda-fused-fwd-eps-outside-sqrt", "backends/cuda/layer_norm.py", "_fwd_fused_kernel",
+           "rstd = 1.0 / tl.sqrt(var + exact_eps(eps, eps_lo, ACC))",
+           "rstd = 1.0 / (tl.sqrt(var) + exact_eps(eps, eps_lo, ACC))",
+           (LN, *_k("test_matches_reference", CUDA_I)), what="1 / (sqrt(var) + eps)"),
+    Mutant("cuda-fused-bwd-drops-c2", "backends/cuda/layer_norm.py", "_bwd_fused_kernel",
+           "dx = (wdy - (xhat * c1 + c2)) * rstd", "dx = (wdy - xhat * c1) * rstd",
+           (LN, *_k("test_matches_reference", CUDA_I, "layer_norm")),
+           what="LayerNorm dx without the mean term"),
+    Mutant("cuda-split-fwd-saves-unshifted-mean", "backends/cuda/layer_norm.py", "_fwd_split_kernel",
+           "tl.store(Mean + row, shift + mean)", "tl.store(Mean + row, mean)",
+           (LN, *_k("test_matches_reference", CUDA_I, "40999", "layer_norm")),
+           what="the split-row forward saves the mean of x - x[0] for the backward"),
+    Mutant("cuda-log-softmax-bwd-sign", "backends/cuda/softmax.py", "_bwd_fused_kernel",
+           "dx = dy - tl.exp(y) * tl.sum(dy, axis=1)[:, None]",
+           "dx = dy + tl.exp(y) * tl.sum(dy, axis=1)[:, None]",
+           (SM, *_k("test_matches_reference", CUDA_I, "log_softmax")),
+           what="log_softmax's backward with a + sign"),
+    # --- GPU only (--device cuda) ------------------------------------------------------------------------
+    Mutant("cuda-split-bwd-drops-c2", "backends/cuda/layer_norm.py", "_bwd_split_kernel",
+           "dx = (wdy - (xhat * c1 + c2 * inv_n)) * rstd", "dx = (wdy - xhat * c1) * rstd",
+           (LN, "-m", "cuda", "-k", "split and layer_norm"), device="cuda",
+           what="split-row LayerNorm dx without the mean term"),
+]

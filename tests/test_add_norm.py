@@ -4,7 +4,7 @@ import zlib
 
 import pytest
 import torch
-from conftest import DEVICE, INTERPRETER, executor_params
+from conftest import DEVICE, executor_params
 
 import normkit
 from normkit import dispatch, reference
@@ -144,10 +144,12 @@ def test_dropout_matches_autograd_through_explicit_mask(run_on, executor, shape,
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5])
-@pytest.mark.parametrize("executor", INTERPRETER + [pytest.param(e, marks=m) for e, m in DEVICE] + [None],
+@pytest.mark.parametrize("executor", [pytest.param(e, marks=m) for e, m in DEVICE] + [None],
                          ids=lambda e: e.name if e else "reference")  # fmt: skip
 def test_dropout_keep_rate(run_on, executor, p):
-    """Over 10^6 elements the kept fraction is within 0.5% of 1 - p."""
+    """Over 10^6 elements the kept fraction is within 0.5% of 1 - p. (Under the interpreter the
+    kernels' masks are checked bit for bit against the formula instead:
+    test_dropout_mask_is_the_documented_philox; 10^6 elements there cost ~50 s a test.)"""
     if executor is None:
         context, device = normkit.dispatch.use_backend("cpu", "normkit.reference"), "cpu"
     else:
@@ -159,7 +161,7 @@ def test_dropout_keep_rate(run_on, executor, p):
 
 
 @pytest.mark.parametrize("op", ADD_OPS)
-@pytest.mark.parametrize("executor,shape", executor_params([((64, 1025),)], [((1024, 4096),)]))
+@pytest.mark.parametrize("executor,shape", executor_params([((16, 1025),)], [((1024, 4096),)]))
 def test_seed_determines_the_mask(run_on, executor, shape, op):
     """Same seed: bitwise-equal outputs and gradients; another seed: a different mask."""
     with run_on(executor, torch.bfloat16):

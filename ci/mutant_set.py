@@ -43,7 +43,7 @@ MUTANTS = [
     Mutant("cpu-add-norm-drops-residual", "normkit/cpu.py", "add_norm",
            "h = x + residual  # the common call's h", "h = x + 0 * residual  # the common call's h",
            ("tests/test_cpu.py", "-k", "add_norms"), what="h = x: the residual dropped"),
-    Mutant("cpu-layer-norm-drops-bias", "normkit/cpu.py", "layer_norm",
+    Mutant("cpu-layer-norm-drops-bias", "normkit/cpu.py", "_layer_norm",
            "return torch.layer_norm(input, shape, weight, bias, eps)",
            "return torch.layer_norm(input, shape, weight, None, eps)",
            ("tests/test_cpu.py", "-k", "row_norms"), what="LayerNorm on CPU without its bias"),

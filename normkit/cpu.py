@@ -47,14 +47,18 @@ def _eps(eps) -> bool:
     return type(eps) is float and 0 <= eps < math.inf
 
 
+def _plain_of(dtype: torch.dtype, *tensors) -> bool:
+    """Every given tensor (None aside) a plain tensor of ``dtype`` (dtypes are singletons)."""
+    for t in tensors:
+        if t is not None and (type(t) not in _PLAIN or t.dtype is not dtype):
+            return False
+    return True
+
+
 def _same_or_fp32(x: torch.Tensor, *params) -> bool:
     """Every given parameter a tensor of x's dtype, or all fp32 for a 16-bit x (torch's mixed-dtype
     rule)."""
-    dtype = x.dtype
-    for p in params:  # the common case first: plain tensors of x's dtype (dtypes are singletons)
-        if p is not None and (type(p) not in _PLAIN or p.dtype is not dtype):
-            break
-    else:
+    if _plain_of(x.dtype, *params):  # the common case first
         return True
     if not all(p is None or isinstance(p, torch.Tensor) for p in params):
         return False
@@ -229,16 +233,11 @@ def instance_norm(input, running_mean, running_var, weight, bias, use_input_stat
         return None
 
 
-def _plain_of(dtype, t) -> bool:
-    return t is None or (type(t) in _PLAIN and t.dtype is dtype)
-
-
 def batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps):
     dtype = input.dtype
     if (type(momentum) is float and type(eps) is float and 0 < eps < math.inf and dtype.is_floating_point
-            and _plain_of(dtype, weight) and _plain_of(dtype, bias) and input.dim() >= 2
-            and (running_mean is None) is (running_var is None) and _plain_of(dtype, running_mean)
-            and _plain_of(dtype, running_var) and input.numel()):  # fmt: skip
+            and input.dim() >= 2 and (running_mean is None) is (running_var is None)
+            and _plain_of(dtype, weight, bias, running_mean, running_var) and input.numel()):  # fmt: skip
         # the common call: every tensor of input's dtype (~1 us of checks at 1x8: docs/performance.md)
         served = training is True and input.numel() > input.shape[1]  # (more than one value a channel)
         if served or training is False and running_mean is not None:

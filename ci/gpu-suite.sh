@@ -7,8 +7,9 @@
 # PYTEST_TIMEOUT (s) interrupts it with SIGINT, so the summary of what ran is still printed (and the
 # run counts as failed);
 # BENCH=0 skips the benchmark; INSTALL=0 skips the editable install (done already); GPUS=K spreads
-# the workers over K GPUs (worker I on GPU I % K, tests/conftest.py). The machine's own torch is
-# used (--no-deps).
+# the workers over K GPUs (worker I on GPU I % K, tests/conftest.py); RECORD=1 records each test's
+# kernel launches and tolerance use under $OUT/<triton>-records (ci/gpu_smoke.py select / tolerances).
+# The machine's own torch is used (--no-deps).
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -19,7 +20,8 @@ tag=$(python3 -c 'import triton; print(triton.__version__)')
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, triton.__file__)'
 } | tee "$OUT/$tag-machine.txt"
-NORMKIT_TEST_GPUS=${GPUS:-} timeout -s INT "${PYTEST_TIMEOUT:-3600}" python3 -m pytest -m cuda -q -n "${WORKERS:-16}" -p no:cacheprovider \
+record=""; [ "${RECORD:-0}" = 1 ] && record="$OUT/$tag-records"
+NORMKIT_RECORD_LAUNCHES=$record NORMKIT_TEST_GPUS=${GPUS:-} timeout -s INT "${PYTEST_TIMEOUT:-3600}" python3 -m pytest -m cuda -q -n "${WORKERS:-16}" -p no:cacheprovider \
   --tb=line -rf --durations=30 --junitxml="$OUT/$tag-junit.xml" ${PYTEST_ARGS:-tests} > "$OUT/$tag-pytest.log" 2>&1
 status=$?
 grep -E "^FAILED|passed|failed" "$OUT/$tag-pytest.log" | tail -40

@@ -59,12 +59,32 @@ def tolerance(dtype: torch.dtype, kind: str, rows: int = 1) -> tuple[float, floa
     return atol, rtol
 
 
+# Tests (tests/conftest.py under NORMKIT_RECORD_LAUNCHES) set a list here: each assert_close appends
+# (test, dtype, kind, fraction of the tolerance used, max |error| / (sqrt(rows) or 1 * max|expected|
+# + |expected|)) for ci/gpu_smoke.py's tolerance report. None: nothing is recorded.
+RECORD: list | None = None
+
+
+def _record(actual, expected, dtype, kind, rows, condition) -> None:
+    a, e = actual.detach().double(), expected.detach().double()
+    finite = e.isfinite() & a.isfinite()
+    if not finite.any():
+        return
+    a, e = a[finite], e[finite]
+    scale = (math.sqrt(max(rows, 1)) if kind == "param" else 1.0) * e.abs().max().item() * condition
+    q = ((a - e).abs() / (scale + e.abs()).clamp_min(1e-300)).max().item()
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+    RECORD.append((test, str(dtype).replace("torch.", ""), kind, tolerance_used(a, e, dtype, kind, rows), q))
+
+
 def assert_close(actual, expected, dtype, kind, name, rows=1, equal_nan=False, condition=1.0):
     """Compare ``actual`` with the fp64 ``expected`` under the table's tolerance for ``dtype``.
     ``condition`` (>= 1) scales atol for ill-conditioned inputs (see tests/test_fuzz.py)."""
     atol, rtol = tolerance(dtype, kind, rows)
     atol *= condition
     assert actual.shape == expected.shape, f"{name}: shape {actual.shape} != {expected.shape}"
+    if RECORD is not None and actual.numel():
+        _record(actual, expected, dtype, kind, rows, condition)
     torch.testing.assert_close(
         actual.detach().double(),
         expected.detach().double(),
@@ -83,6 +103,23 @@ def tolerance_used(actual, expected, dtype, kind, rows=1) -> float:
     expected = expected.double()
     used = (actual.double() - expected).abs() / (atol + rtol * expected.abs())
     return used.nan_to_num(0.0).max().item()  # NaN where both are NaN (checked by assert_close)
+
+
+@contextlib.contextmanager
+def gpu_lock():
+    """Hold this GPU alone among the test processes that ask for it (a file lock per GPU): for tests
+    that need most of its memory or its SMs. One lock per CUDA_VISIBLE_DEVICES value, so workers
+    spread over several GPUs (ci/gpu-suite.sh GPUS=K) only wait for those on their own GPU."""
+    import fcntl
+    import tempfile
+
+    gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "all").replace(",", "_") or "none"
+    with open(os.path.join(tempfile.gettempdir(), f"normkit-gpu-{gpu}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 # --- executors: which backend's kernels run on which device -------------------------------------

@@ -86,3 +86,33 @@ def in_parts(monkeypatch):
     yield
     monkeypatch.undo()
     config.clear_caches()
+
+
+# --- records for ci/gpu_smoke.py (off unless asked) -----------------------------------------------
+# NORMKIT_RECORD_LAUNCHES=DIR: every kernel launch of the CUDA backend is recorded with the test that
+# made it (backends/cuda/launch.py RECORD), and every assert_close with the fraction of a candidate
+# tolerance it used (normkit.testing.RECORD); each worker writes DIR/<worker>.json at its end.
+
+
+def pytest_configure(config):
+    if os.environ.get("NORMKIT_RECORD_LAUNCHES"):
+        from normkit import testing
+        from normkit.backends.cuda import launch
+
+        launch.RECORD = set()
+        testing.RECORD = []
+
+
+def pytest_sessionfinish(session):
+    out = os.environ.get("NORMKIT_RECORD_LAUNCHES")
+    if not out:
+        return
+    import json
+
+    from normkit import testing
+    from normkit.backends.cuda import launch
+
+    os.makedirs(out, exist_ok=True)
+    name = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump({"launches": sorted(launch.RECORD or ()), "tolerances": testing.RECORD or []}, f)

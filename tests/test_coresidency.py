@@ -10,10 +10,6 @@ softmax with 8 SMs free). Each op's split path is asserted to be the one the con
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import os
-import tempfile
 import time
 
 import pytest
@@ -21,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import normkit
+from normkit.testing import gpu_lock
 
 TIMEOUT_S = 60.0
 FREE_SMS = 4  # SMs the hog leaves to the op
@@ -46,19 +43,6 @@ def _hog_kernel():
         tl.store(Out + pid * BLOCK + tl.arange(0, BLOCK), acc + acc2)
 
     return hog
-
-
-@contextlib.contextmanager
-def _alone():
-    """One held-SMs test at a time across pytest-xdist workers (two hogs would hold each other's
-    ops), and no other worker's kernels in between: a GPU-wide lock file."""
-    path = os.path.join(tempfile.gettempdir(), "normkit-gpu-big-memory.lock")  # test_gpu_hardening's
-    with open(path, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 class Hog:
@@ -112,7 +96,7 @@ def _run_held(fn):
     """Run ``fn`` on its own stream while the hog holds all but FREE_SMS SMs, then set the hog's
     flag on that stream after it (so a kernel of ``fn`` that never finishes holds the hog too).
     Returns fn's result; fails if it has not finished within TIMEOUT_S."""
-    with _alone(), Hog(FREE_SMS) as hog:
+    with gpu_lock(), Hog(FREE_SMS) as hog:
         assert hog.held >= hog.sms - 2 * FREE_SMS, f"the hog holds only {hog.held} of {hog.sms} SMs"
         op_stream = torch.cuda.Stream()
         with torch.cuda.stream(op_stream):

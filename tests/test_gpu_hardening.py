@@ -17,12 +17,9 @@ them one at a time, and skip (with the numbers) only if the GPU lacks the memory
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import gc
 import itertools
 import math
-import os
-import tempfile
 import threading
 
 import pytest
@@ -31,7 +28,7 @@ import torch.nn.functional as F
 
 import normkit
 from normkit import dispatch
-from normkit.testing import Executor, assert_close, check_batch_norm_case, check_case
+from normkit.testing import Executor, assert_close, check_batch_norm_case, check_case, gpu_lock
 
 BACKENDS = ["cuda", "npu"]  # the CUDA kernels and the NPU kernels, both on the CUDA GPU
 GiB = 1 << 30
@@ -39,10 +36,8 @@ GiB = 1 << 30
 
 @contextlib.contextmanager
 def big_memory(need_bytes: int):
-    """One > 2^31-element test at a time across xdist workers; skip if the GPU cannot hold it."""
-    path = os.path.join(tempfile.gettempdir(), "normkit-gpu-big-memory.lock")
-    with open(path, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    """One > 2^31-element test at a time on this GPU across xdist workers; skip if the GPU cannot hold it."""
+    with gpu_lock():
         try:
             gc.collect()
             torch.cuda.empty_cache()
@@ -53,7 +48,6 @@ def big_memory(need_bytes: int):
         finally:
             gc.collect()
             torch.cuda.empty_cache()
-            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _on_gpu(run_on, backend, dtype=torch.bfloat16):

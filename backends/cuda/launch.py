@@ -42,6 +42,25 @@ _CACHE: dict = {}  # key -> (compiled kernel, resolved trailing kernel arguments
 CACHE_SIZE = 4096  # compiled kernels remembered (all specializations of all kernels); then cleared
 # Check each keyed launch against the full key (tests; env NORMKIT_CHECK_LAUNCH_KEYS=1 at import).
 CHECK_KEYS = os.environ.get("NORMKIT_CHECK_LAUNCH_KEYS", "") == "1"
+# Tests (tests/conftest.py under NORMKIT_RECORD_LAUNCHES, for ci/gpu_smoke.py) set a set here: each
+# launch adds (test, kernel, dtype class, op flags, path) to it. None: nothing is recorded.
+RECORD: set | None = None
+FLAGS = ("IS_RMS", "ADD", "HAS_R", "DROPOUT", "LOG", "CL", "ONE_READ", "TRAINING")  # what tells ops apart
+
+
+def _record(fn, args, meta, path: str) -> None:
+    """Add this launch to :data:`RECORD`: the running test, ``module.kernel``, the dtype class of its
+    floating-point tensors (16-bit if any is 16-bit), the :data:`FLAGS` it was given, and the launch
+    path (``compile``: through ``fn[grid]``; ``direct``: the cached compiled kernel; ``bound``: a plan;
+    ``interpreter``; ``plain``: ``fn[grid]`` for a kernel that is not a JITFunction)."""
+    inner = getattr(fn, "fn", fn)
+    dtypes = {a.dtype for a in args if isinstance(a, torch.Tensor) and a.dtype.is_floating_point}
+    klass = "16-bit" if any(d.itemsize == 2 for d in dtypes) else "fp32" if dtypes else "none"
+    names = list(inspect.signature(inner).parameters)
+    given = {**dict(zip(names, args)), **meta}
+    flags = tuple((f, int(given[f])) for f in FLAGS if f in given and given[f] is not None)
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+    RECORD.add((test, f"{inner.__module__}.{inner.__name__}", klass, flags, path))
 
 
 def int_spec(a: int) -> tuple:
@@ -90,6 +109,8 @@ def launch(fn, grid: tuple, *args, key: tuple | None = None, **meta):
     :data:`CHECK_KEYS`); without it the key is built from the arguments. Returns the cache entry
     used (for :class:`Bound`), None when there is none (interpreter, first launch of a key)."""
     if not isinstance(fn, JITFunction):
+        if RECORD is not None:
+            _record(fn, args, meta, "interpreter" if os.environ.get("TRITON_INTERPRET") == "1" else "plain")
         fn[grid](*args, **meta)
         return None
     device = torch.cuda.current_device()
@@ -99,6 +120,8 @@ def launch(fn, grid: tuple, *args, key: tuple | None = None, **meta):
     else:
         key = (fn, device, key)
     cached = _CACHE.get(key)
+    if RECORD is not None:
+        _record(fn, args, meta, "compile" if cached is None else "direct")
     if cached is None:
         kernel = fn[grid](*args, **meta)
         if len(_CACHE) >= CACHE_SIZE:
@@ -165,5 +188,7 @@ class Bound:
             return None
         if CHECK_KEYS:
             _check(self.cached, ("bound",), args, self.meta)
+        if RECORD is not None:
+            _record(self.fn, args, self.meta, "bound")
         _run(self.cached, self.g, device, args)
         return None

@@ -19,7 +19,7 @@ start=$(date +%s)
 python3 -c 'import torch, triton; print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)'
 records="$OUT/smoke-records"; rm -rf "$records"
 mapfile -t tests < ci/gpu-smoke-tests.txt
-NORMKIT_RECORD_LAUNCHES=$records python3 -m pytest -m cuda -q -n "${WORKERS:-8}" -p no:cacheprovider --tb=line -rf \
+NORMKIT_RECORD_LAUNCHES=$records python3 -m pytest -m cuda -q -n "${WORKERS:-8}" --dist worksteal -p no:cacheprovider --tb=line -rf \
   "${tests[@]}" > "$OUT/smoke-pytest.log" 2>&1
 status=$?
 grep -E "^FAILED|passed|failed" "$OUT/smoke-pytest.log" | tail -20

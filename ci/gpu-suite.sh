@@ -20,8 +20,10 @@ tag=$(python3 -c 'import triton; print(triton.__version__)')
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, triton.__file__)'
 } | tee "$OUT/$tag-machine.txt"
+# worksteal: a worker that is done takes queued tests from the others (the longest tests run ~70 s)
+dist=$(python3 -c 'import xdist; v = tuple(map(int, xdist.__version__.split(".")[:2])); print("worksteal" if v >= (3, 2) else "load")')
 record=""; [ "${RECORD:-0}" = 1 ] && record="$OUT/$tag-records"
-NORMKIT_RECORD_LAUNCHES=$record NORMKIT_TEST_GPUS=${GPUS:-} timeout -s INT "${PYTEST_TIMEOUT:-3600}" python3 -m pytest -m cuda -q -n "${WORKERS:-16}" -p no:cacheprovider \
+NORMKIT_RECORD_LAUNCHES=$record NORMKIT_TEST_GPUS=${GPUS:-} timeout -s INT "${PYTEST_TIMEOUT:-3600}" python3 -m pytest -m cuda -q -n "${WORKERS:-16}" --dist "$dist" -p no:cacheprovider \
   --tb=line -rf --durations=30 --junitxml="$OUT/$tag-junit.xml" ${PYTEST_ARGS:-tests} > "$OUT/$tag-pytest.log" 2>&1
 status=$?
 grep -E "^FAILED|passed|failed" "$OUT/$tag-pytest.log" | tail -40

@@ -20,6 +20,11 @@ def _k(*words: str) -> tuple[str, str]:
     return "-k", " and ".join(words)
 
 
+def _gpu(path: str, *words: str) -> tuple[str, ...]:
+    """pytest arguments: the tests of ``path`` marked cuda that match every -k term of ``words``."""
+    return path, "-m", "cuda", *_k(*words)
+
+
 MUTANTS = [
     # --- front end ---------------------------------------------------------------------------------
     Mutant("functional-layer_norm-ignores-eps", "normkit/functional.py", "layer_norm",
@@ -142,4 +147,53 @@ MUTANTS = [
            (LN, "-m", "cuda", "-k", "test_matches_reference and 40999 and layer_norm and not npu"),
            device="cuda",
            what="split-row LayerNorm dx without the mean term"),
+    # Each selection's path on an H100 / H200 (132 SMs, 227 KB of shared memory a block) is noted with
+    # it; the tests named assert the path where they can (test_rows_in_shared_memory, the GroupNorm one).
+    # One-program rows in shared memory, ONE_PASS (config.smem_row: 40000 = 3 buffers of 16384).
+    Mutant("cuda-smem-fwd-welford-old-delta", "backends/cuda/layer_norm.py", "_fwd_smem_kernel",
+           "m2 += d * (x - m)", "m2 += d * d",
+           _gpu(LN, "test_rows_in_shared_memory", "300", "bfloat16", "not rms_norm"), device="cuda",
+           what="the shared-memory forward's Welford update: delta squared (before the mean moved)"),
+    # config.smem_backward: aligned 16-bit rows of 12000 (2 buffers of 8192), a training plan's backward.
+    Mutant("cuda-smem-bwd-c2-not-averaged", "backends/cuda/layer_norm.py", "_bwd_smem_kernel",
+           "c2 = gl.sum(a2, axis=0) * inv_n", "c2 = gl.sum(a2, axis=0)",
+           _gpu("tests/test_gpu_hardening.py", "test_training_plans_match_reference", "12000", "bfloat16"),
+           device="cuda", what="shared-memory LayerNorm dx takes the row's sum of w * dy for its mean"),
+    # config.batch_norm_smem: a channel of 32 x 784 bf16 values in one part (K = 1: not IN_PARTS-gated).
+    Mutant("cuda-bn-parts-fwd-drops-shift", "backends/cuda/batch_norm.py", "_fwd_smem_split_kernel",
+           "y = (v - shift - mean) * scale + bias", "y = (v - mean) * scale + bias",
+           _gpu("tests/test_batch_norm.py", "test_batch_norm_matches_reference", "28", "bfloat16", "train",
+                "not npu"), device="cuda",
+           what="BatchNorm's forward in parts: x - mean, the mean of x - x[0, c, 0] (shift left out)"),
+    # config.softmax: rows of 40999 (not a multiple of 16: no shared memory) split in 11 fp32 chunks.
+    Mutant("cuda-softmax-split-fwd-no-rescale", "backends/cuda/softmax.py", "_fwd_split_kernel",
+           's = tl.sum(ss * tl.exp(ms - tl.where(m == float("-inf"), 0.0, m)), axis=0)',
+           "s = tl.sum(ss, axis=0)",
+           _gpu(SM, "test_matches_reference", "40999", "float32", "not log_softmax", "not npu"),
+           device="cuda",
+           what="split-row softmax: the chunks' sums of exp(x - chunk max) added unscaled to the row max"),
+    # config.batch_norm_split: fp32 (32, 64, 28, 28) does not fit one part (K = 2): split channels.
+    Mutant("cuda-bn-split-bwd-drops-mean-dy", "backends/cuda/batch_norm.py", "_bwd_split_kernel",
+           "g = g - (s_dy + xhat * s_dyx) * inv_n", "g = g - xhat * s_dyx * inv_n",
+           _gpu("tests/test_batch_norm.py", "test_batch_norm_matches_reference", "28", "float32", "train",
+                "not npu"), device="cuda",
+           what="split-channel BatchNorm dx without the mean of dy"),
+    # config.group_norm_smem_backward (the test opens its bounds and asserts the kernel ran); dweight is
+    # off by mean * sum(dy), and the test's case about a mean of 300 makes that large.
+    Mutant("cuda-gn-smem-bwd-uncentered", "backends/cuda/group_norm.py", "_bwd_smem_kernel",
+           "gl.sum((x - mean) * dy, axis=1)", "gl.sum(x * dy, axis=1)",
+           _gpu("tests/test_group_norm.py", "test_group_norm_backward_rows_in_shared_memory", "200",
+                "not bfloat16"), device="cuda",
+           what="GroupNorm's shared-memory backward sums x * dy per channel, not (x - mean) * dy"),
+    # An aligned then a misaligned call of one shape: the same key, so NORMKIT_CHECK_LAUNCH_KEYS raises.
+    Mutant("cuda-launch-key-ignores-alignment", "backends/cuda/launch.py", "tensor_spec",
+           "(t.dtype, t.data_ptr() % 16 == 0)", "(t.dtype,)",
+           _gpu("tests/test_gpu_hardening.py", "test_direct_launch_never_reuses_another_specialization",
+                "float32"), device="cuda",
+           what="call-site launch keys hold a tensor's dtype, not its 16-byte alignment"),
+    # (1, 40999) then (3, 40999): the second call's training plan is the first's (grid, M of 1 row).
+    Mutant("cuda-plan-key-row-length-only", "normkit/functional.py", "_plan_key",
+           "return (op, input.shape, input.dtype", "return (op, input.shape[-1:], input.dtype",
+           _gpu(LN, "test_matches_reference", "40999", "float32", "not rms_norm", "not npu"), device="cuda",
+           what="plans keyed by the row length: a plan made for M rows serves inputs of other M"),
 ]

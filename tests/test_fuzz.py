@@ -11,7 +11,7 @@ Profiles (hypothesis.settings.register_profile), picked per executor or by NORMK
   ci   interpreter executors and the reference: 40 examples per test and executor, small shapes
        (N <= 300, at most 24 rows / 4096 elements), derandomized (the same examples every run).
   gpu  `cuda`, `npu-kernels-on-cuda` (pytest -m cuda): 150 examples, N up to 131073, up to 4096
-       rows / 2^22 elements, derandomized.
+       rows / 2^22 elements, in DEVICE_PARTS tests of 30 examples from fixed seeds 0-4.
   dev  random (not derandomized) examples at CI sizes, 300 per test and executor: bug hunting.
 NORMKIT_FUZZ_PROFILE=<name> forces one profile for every executor; NORMKIT_FUZZ_EXAMPLES=<n>
 overrides the example count of the profile in use.
@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import DEVICE, INTERPRETER
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 import normkit
@@ -63,20 +63,29 @@ LIMITS = {
 }  # fmt: skip
 LIMITS["dev"] = LIMITS["ci"]  # random examples at CI sizes: bug hunting on any machine
 
-EXECUTORS = [pytest.param(Executor("reference", "cpu"), id="reference")]
-EXECUTORS += [pytest.param(ex, id=ex.name) for ex in INTERPRETER]
-EXECUTORS += [pytest.param(ex, id=ex.name, marks=mark) for ex, mark in DEVICE]
+# On a device the examples are drawn in DEVICE_PARTS tests of their own seed each, which pytest-xdist
+# runs side by side: most of a device example's time is compiling the kernels for its shape (a
+# 150-example test took 223 s on an H200, the longest of the GPU suite).
+DEVICE_PARTS = 5
+EXECUTORS = [pytest.param(Executor("reference", "cpu"), 0, id="reference")]
+EXECUTORS += [pytest.param(ex, 0, id=ex.name) for ex in INTERPRETER]
+EXECUTORS += [pytest.param(ex, part, id=f"{ex.name}-part{part}", marks=mark) for ex, mark in DEVICE
+              for part in range(DEVICE_PARTS)]  # fmt: skip
 
 
 def profile_for(executor: Executor) -> str:
     return os.environ.get("NORMKIT_FUZZ_PROFILE") or ("ci" if executor.device == "cpu" else "gpu")
 
 
-def fuzz(executor: Executor, run_on, strategy, body) -> None:
-    """Run ``body(case)`` on ``strategy(limits)`` under the executor's profile."""
+def fuzz(executor: Executor, part: int, run_on, strategy, body) -> None:
+    """Run ``body(case)`` on ``strategy(limits)`` under the executor's profile; on a device, part
+    ``part`` of DEVICE_PARTS (its share of the profile's examples, from seed ``part``)."""
     name = profile_for(executor)
     limits = LIMITS[name]
     overrides = {}
+    if executor.device != "cpu":
+        profile = settings.get_profile(name)
+        overrides = dict(max_examples=-(-profile.max_examples // DEVICE_PARTS), derandomize=False)
     if os.environ.get("NORMKIT_FUZZ_EXAMPLES"):
         overrides["max_examples"] = int(os.environ["NORMKIT_FUZZ_EXAMPLES"])
     ok, reason = executor.status()
@@ -89,6 +98,8 @@ def fuzz(executor: Executor, run_on, strategy, body) -> None:
         with run_on(executor):
             body(executor, case)
 
+    if executor.device != "cpu":
+        run = seed(part)(run)
     run()
 
 
@@ -229,9 +240,9 @@ def check_row_norm(executor, c):
              )  # fmt: skip
 
 
-@pytest.mark.parametrize("executor", EXECUTORS)
-def test_fuzz_layer_norm_rms_norm(executor, run_on):
-    fuzz(executor, run_on, row_norm_cases, check_row_norm)
+@pytest.mark.parametrize("executor, part", EXECUTORS)
+def test_fuzz_layer_norm_rms_norm(executor, part, run_on):
+    fuzz(executor, part, run_on, row_norm_cases, check_row_norm)
 
 
 # --- softmax / log_softmax -------------------------------------------------------------------------
@@ -275,9 +286,9 @@ def check_softmax(executor, c):
              dict(y=out, dx=dtype), 1)  # fmt: skip
 
 
-@pytest.mark.parametrize("executor", EXECUTORS)
-def test_fuzz_softmax(executor, run_on):
-    fuzz(executor, run_on, softmax_cases, check_softmax)
+@pytest.mark.parametrize("executor, part", EXECUTORS)
+def test_fuzz_softmax(executor, part, run_on):
+    fuzz(executor, part, run_on, softmax_cases, check_softmax)
 
 
 # --- fused residual add + dropout + norm -----------------------------------------------------------
@@ -345,9 +356,9 @@ def check_add_norm(executor, c):
              )  # fmt: skip
 
 
-@pytest.mark.parametrize("executor", EXECUTORS)
-def test_fuzz_add_norm(executor, run_on):
-    fuzz(executor, run_on, add_norm_cases, check_add_norm)
+@pytest.mark.parametrize("executor, part", EXECUTORS)
+def test_fuzz_add_norm(executor, part, run_on):
+    fuzz(executor, part, run_on, add_norm_cases, check_add_norm)
 
 
 # --- GroupNorm / InstanceNorm / BatchNorm ---------------------------------------------------------
@@ -466,6 +477,6 @@ def check_channel(executor, c):
                                        msg=lambda m, name=name: f"{name}: {m}")  # fmt: skip
 
 
-@pytest.mark.parametrize("executor", EXECUTORS)
-def test_fuzz_channel_norms(executor, run_on):
-    fuzz(executor, run_on, channel_cases, check_channel)
+@pytest.mark.parametrize("executor, part", EXECUTORS)
+def test_fuzz_channel_norms(executor, part, run_on):
+    fuzz(executor, part, run_on, channel_cases, check_channel)

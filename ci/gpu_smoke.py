@@ -92,9 +92,19 @@ def _durations(junit: str) -> dict[str, float]:
 def select(directory: str, junit: str) -> int:
     launches, _ = _load(directory)
     per_test: dict[str, set[str]] = defaultdict(set)
+    paths: dict[tuple, set[str]] = defaultdict(set)  # (test, kernel) -> launch paths
     for launch in launches:
         if launch[0]:
             per_test[launch[0]] |= variants_of(launch)
+            paths[launch[0], launch[1]].add(launch[4])
+    # A test reaches the direct / plan path by itself only if it also made the kernel's earlier
+    # launch (compile, resp. compile or direct): otherwise another test in its worker did, and the
+    # smoke run's scheduling may not repeat that. Only such tests count for those variants.
+    for (test, kernel), seen in paths.items():
+        if "direct" in seen and "compile" not in seen:
+            per_test[test].discard(f"{kernel} path=direct")
+        if "bound" in seen and not seen & {"compile", "direct"}:
+            per_test[test].discard(f"{kernel} path=bound")
     times = _durations(junit)
     want = set().union(*per_test.values())
     # the fuzz tests draw their cases (hypothesis): what they reach can change with the examples

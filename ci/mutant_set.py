@@ -165,19 +165,19 @@ MUTANTS = [
            _gpu("tests/test_batch_norm.py", "test_batch_norm_matches_reference", "28", "bfloat16", "train",
                 "not npu"), device="cuda",
            what="BatchNorm's forward in parts: x - mean, the mean of x - x[0, c, 0] (shift left out)"),
-    # config.softmax: rows of 40999 (not a multiple of 16: no shared memory) split in 11 fp32 chunks.
-    Mutant("cuda-softmax-split-fwd-no-rescale", "backends/cuda/softmax.py", "_fwd_split_kernel",
-           's = tl.sum(ss * tl.exp(ms - tl.where(m == float("-inf"), 0.0, m)), axis=0)',
-           "s = tl.sum(ss, axis=0)",
+    # config.softmax: rows of 40999 (not a multiple of 16: no shared memory) in 11 fp32 chunks, 48 row
+    # groups (prefetching) of 3 rows or more at M = 128, 1151 (the interpreter's 4 SMs: groups of one row).
+    Mutant("cuda-softmax-split-fwd-prefetch-next-row", "backends/cuda/softmax.py", "_fwd_split_kernel",
+           "x_next = load_chunk(X, row + groups,", "x_next = load_chunk(X, row + 1,",
            _gpu(SM, "test_matches_reference", "40999", "float32", "not log_softmax", "not npu"),
-           device="cuda",
-           what="split-row softmax: the chunks' sums of exp(x - chunk max) added unscaled to the row max"),
-    # config.batch_norm_split: fp32 (32, 64, 28, 28) does not fit one part (K = 2): split channels.
-    Mutant("cuda-bn-split-bwd-drops-mean-dy", "backends/cuda/batch_norm.py", "_bwd_split_kernel",
-           "g = g - (s_dy + xhat * s_dyx) * inv_n", "g = g - xhat * s_dyx * inv_n",
-           _gpu("tests/test_batch_norm.py", "test_batch_norm_matches_reference", "28", "float32", "train",
-                "not npu"), device="cuda",
-           what="split-channel BatchNorm dx without the mean of dy"),
+           device="cuda", what="split-row softmax prefetches row + 1, not its group's next row + groups"),
+    # config.batch_norm_split, pipelined by the test: fp32 (3, 300, 9, 15) in 264 channel groups, (64, 16,
+    # 56, 56) in 10: groups of two channels (the interpreter's test shapes: one channel a group).
+    Mutant("cuda-bn-split-bwd-pipeline-next-channel", "backends/cuda/batch_norm.py", "_bwd_split_kernel",
+           "_bwd_split_load(X, DY, c + groups,", "_bwd_split_load(X, DY, c + 1,",
+           _gpu("tests/test_gpu_hardening.py", "test_batch_norm_split_and_two_pass_match_reference",
+                "pipelined", "float32"), device="cuda",
+           what="split-channel BatchNorm backward loads channel c + 1 ahead, not c + groups (pipelined)"),
     # config.group_norm_smem_backward (the test opens its bounds and asserts the kernel ran); dweight is
     # off by mean * sum(dy), and the test's case about a mean of 300 makes that large.
     Mutant("cuda-gn-smem-bwd-uncentered", "backends/cuda/group_norm.py", "_bwd_smem_kernel",

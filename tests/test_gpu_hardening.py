@@ -27,27 +27,34 @@ import torch
 import torch.nn.functional as F
 
 import normkit
+from conftest import DEVICE
 from normkit import dispatch
-from normkit.testing import Executor, assert_close, check_batch_norm_case, check_case, gpu_lock
+from normkit.testing import (Executor, assert_close, check_batch_norm_case, check_case, fp64, gpu_lock,
+                             oracle_device)
 
 BACKENDS = ["cuda", "npu"]  # the CUDA kernels and the NPU kernels, both on the CUDA GPU
+# The > 2^31-element tests: those two, and the NPU kernels on an Ascend NPU (references in fp64 on
+# the CPU there: testing.fp64).
+BIG = [pytest.param(ex, id=ex.name, marks=mark) for ex, mark in DEVICE]
 GiB = 1 << 30
 
 
 @contextlib.contextmanager
-def big_memory(need_bytes: int):
-    """One > 2^31-element test at a time on this GPU across xdist workers; skip if the GPU cannot hold it."""
+def big_memory(device: str, need_bytes: int):
+    """One > 2^31-element test at a time on this device across xdist workers; skip if it cannot
+    hold it even then (torch.cuda or torch_npu's torch.npu memory queries)."""
+    mod = torch.get_device_module(device)
     with gpu_lock():
         try:
             gc.collect()
-            torch.cuda.empty_cache()
-            free, _ = torch.cuda.mem_get_info()
+            mod.empty_cache()
+            free, _ = mod.mem_get_info()
             if free < need_bytes:
-                pytest.skip(f"needs {need_bytes / GiB:.1f} GiB of free GPU memory, has {free / GiB:.1f}")
+                pytest.skip(f"needs {need_bytes / GiB:.1f} GiB of free {device} memory, has {free / GiB:.1f}")
             yield
         finally:
             gc.collect()
-            torch.cuda.empty_cache()
+            mod.empty_cache()
 
 
 def _on_gpu(run_on, backend, dtype=torch.bfloat16):
@@ -70,39 +77,39 @@ M_BIG, N_BIG = (1 << 19) + 64, 4096  # 2^31 + 2^18 elements
 assert M_BIG * N_BIG > 2**31
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ex", BIG)
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
-def test_row_norm_more_than_2_31_elements_fwd_bwd(run_on, backend, op):
+def test_row_norm_more_than_2_31_elements_fwd_bwd(run_on, ex, op):
     """y, dx at sampled rows (start, middle, end) and the full dweight / dbias against fp64."""
-    with _on_gpu(run_on, backend), big_memory(7 * M_BIG * N_BIG * 2):
-        x = _randn((M_BIG, N_BIG)).requires_grad_()
-        w = (_randn((N_BIG,), seed=1) * 0.5 + 1).requires_grad_()
-        b = (_randn((N_BIG,), seed=2) * 0.5).requires_grad_() if op == "layer_norm" else None
+    with run_on(ex, torch.bfloat16), big_memory(ex.device, 7 * M_BIG * N_BIG * 2):
+        x = _randn((M_BIG, N_BIG), device=ex.device).requires_grad_()
+        w = (_randn((N_BIG,), seed=1, device=ex.device) * 0.5 + 1).requires_grad_()
+        b = _randn((N_BIG,), seed=2, device=ex.device) * 0.5 if op == "layer_norm" else None
+        b = None if b is None else b.requires_grad_()
         y = normkit.layer_norm(x, (N_BIG,), w, b) if op == "layer_norm" else normkit.rms_norm(x, (N_BIG,), w)
-        dy = _randn((M_BIG, N_BIG), seed=3)
+        dy = _randn((M_BIG, N_BIG), seed=3, device=ex.device)
         y.backward(dy)
-        dw_ref = torch.zeros(N_BIG, dtype=torch.float64, device="cuda")
+        dw_ref = torch.zeros(N_BIG, dtype=torch.float64, device=oracle_device(ex.device))
         db_ref = torch.zeros_like(dw_ref)
         rows = _sample_rows(M_BIG)
         chunk = 1 << 16
         for start in range(0, M_BIG, chunk):  # fp64 dweight / dbias, one chunk of rows at a time
-            xs = x.detach()[start:start + chunk].double()
+            xs = fp64(x[start:start + chunk])
             if op == "layer_norm":
                 xhat = F.layer_norm(xs, (N_BIG,), eps=1e-5)
             else:
                 xhat = F.rms_norm(xs, (N_BIG,), eps=torch.finfo(torch.bfloat16).eps)
-            dw_ref += (dy[start:start + chunk].double() * xhat).sum(0)
-            db_ref += dy[start:start + chunk].double().sum(0)
+            dw_ref += (fp64(dy[start:start + chunk]) * xhat).sum(0)
+            db_ref += fp64(dy[start:start + chunk]).sum(0)
             del xs, xhat
-        x64 = x.detach()[rows].double().requires_grad_()
-        w64 = w.detach().double().requires_grad_()
-        b64 = None if b is None else b.detach().double()
+        x64 = fp64(x[rows]).requires_grad_()
+        w64 = fp64(w).requires_grad_()
+        b64 = None if b is None else fp64(b)
         if op == "layer_norm":
             y64 = F.layer_norm(x64, (N_BIG,), w64, b64, 1e-5)
         else:
             y64 = F.rms_norm(x64, (N_BIG,), w64, torch.finfo(torch.bfloat16).eps)
-        y64.backward(dy[rows].double())
+        y64.backward(fp64(dy[rows]))
         assert_close(y.detach()[rows], y64, torch.bfloat16, "fwd", f"y{rows}")
         assert_close(x.grad[rows], x64.grad, torch.bfloat16, "bwd", f"dx{rows}")
         assert_close(w.grad, dw_ref, torch.bfloat16, "param", "dweight", M_BIG)
@@ -110,157 +117,152 @@ def test_row_norm_more_than_2_31_elements_fwd_bwd(run_on, backend, op):
             assert_close(b.grad, db_ref, torch.bfloat16, "param", "dbias", M_BIG)
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ex", BIG)
 @pytest.mark.parametrize("op", ["softmax", "log_softmax"])
-def test_softmax_more_than_2_31_elements_fwd_bwd(run_on, backend, op):
-    with _on_gpu(run_on, backend), big_memory(5 * M_BIG * N_BIG * 2):
-        x = _randn((M_BIG, N_BIG)).requires_grad_()
+def test_softmax_more_than_2_31_elements_fwd_bwd(run_on, ex, op):
+    with run_on(ex, torch.bfloat16), big_memory(ex.device, 5 * M_BIG * N_BIG * 2):
+        x = _randn((M_BIG, N_BIG), device=ex.device).requires_grad_()
         y = getattr(normkit, op)(x, -1)
-        dy = _randn((M_BIG, N_BIG), seed=3)
+        dy = _randn((M_BIG, N_BIG), seed=3, device=ex.device)
         y.backward(dy)
         rows = _sample_rows(M_BIG)
-        y64 = getattr(F, op)(x.detach()[rows].double(), -1)
+        y64 = getattr(F, op)(fp64(x[rows]), -1)
         backward = torch._log_softmax_backward_data if op == "log_softmax" else torch._softmax_backward_data
-        dx64 = backward(dy[rows].double(), y.detach()[rows].double(), 1, torch.float64)
+        dx64 = backward(fp64(dy[rows]), fp64(y[rows]), 1, torch.float64)
         assert_close(y.detach()[rows], y64, torch.bfloat16, "fwd", f"y{rows}")
         assert_close(x.grad[rows], dx64, torch.bfloat16, "bwd", f"dx{rows}")
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ex", BIG)
 @pytest.mark.parametrize("op", ["add_layer_norm", "add_rms_norm"])
-def test_add_norm_dropout_more_than_2_31_elements(run_on, backend, op):
+def test_add_norm_dropout_more_than_2_31_elements(run_on, ex, op):
     """h = dropout(x) (p = 0.1), y = norm(h): the mask stays random past element 2^31 (int64
     Philox offsets), y and dx of sampled rows against fp64 through that mask."""
     p, seed = 0.1, 1234
-    with _on_gpu(run_on, backend), big_memory(6 * M_BIG * N_BIG * 2):
-        x = _randn((M_BIG, N_BIG)).requires_grad_()
+    with run_on(ex, torch.bfloat16), big_memory(ex.device, 6 * M_BIG * N_BIG * 2):
+        x = _randn((M_BIG, N_BIG), device=ex.device).requires_grad_()
         y, h = getattr(normkit, op)(x, None, (N_BIG,), dropout_p=p, seed=seed, prenorm=True)
-        dy = _randn((M_BIG, N_BIG), seed=3)
+        dy = _randn((M_BIG, N_BIG), seed=3, device=ex.device)
         y.backward(dy)
         rows = _sample_rows(M_BIG)
-        keep = h.detach()[rows] != 0
-        rate = keep.double().mean().item()
+        keep = fp64(h[rows]) != 0
+        rate = fp64(keep).mean().item()
         assert abs(rate - (1 - p)) < 0.01, f"keep rate {rate} at rows {rows}"
         assert not torch.equal(keep[0], keep[-1]) and not torch.equal(keep[1], keep[-2])
-        x64 = x.detach()[rows].double().requires_grad_()
+        x64 = fp64(x[rows]).requires_grad_()
         h64 = x64 * keep / (1 - p)
         if op == "add_layer_norm":
             y64 = F.layer_norm(h64, (N_BIG,), eps=1e-5)
         else:
             y64 = F.rms_norm(h64, (N_BIG,), eps=torch.finfo(torch.bfloat16).eps)
-        y64.backward(dy[rows].double())
+        y64.backward(fp64(dy[rows]))
         assert_close(y.detach()[rows], y64, torch.bfloat16, "fwd", f"y{rows}")
         assert_close(x.grad[rows], x64.grad, torch.bfloat16, "bwd", f"dx{rows}")
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_group_norm_more_than_2_31_elements_fwd_bwd(run_on, backend):
+@pytest.mark.parametrize("ex", BIG)
+def test_group_norm_more_than_2_31_elements_fwd_bwd(run_on, ex):
     """(8193, 32, 8192) bf16 with 8 groups: y and dx of sampled samples against fp64."""
     shape, groups = (8193, 32, 8192), 8
     assert math.prod(shape) > 2**31
-    with _on_gpu(run_on, backend), big_memory(5 * math.prod(shape) * 2):
-        x = _randn(shape).requires_grad_()
-        w = (_randn((32,), seed=1) * 0.5 + 1).requires_grad_()
-        b = (_randn((32,), seed=2) * 0.5).requires_grad_()
+    with run_on(ex, torch.bfloat16), big_memory(ex.device, 5 * math.prod(shape) * 2):
+        x = _randn(shape, device=ex.device).requires_grad_()
+        w = (_randn((32,), seed=1, device=ex.device) * 0.5 + 1).requires_grad_()
+        b = (_randn((32,), seed=2, device=ex.device) * 0.5).requires_grad_()
         y = normkit.group_norm(x, groups, w, b)
-        dy = _randn(shape, seed=3)
+        dy = _randn(shape, seed=3, device=ex.device)
         y.backward(dy)
         samples = _sample_rows(shape[0])
-        x64 = x.detach()[samples].double().requires_grad_()
-        y64 = F.group_norm(x64, groups, w.detach().double(), b.detach().double())
-        y64.backward(dy[samples].double())
+        x64 = fp64(x[samples]).requires_grad_()
+        y64 = F.group_norm(x64, groups, fp64(w), fp64(b))
+        y64.backward(fp64(dy[samples]))
         assert_close(y.detach()[samples], y64, torch.bfloat16, "fwd", f"y{samples}")
         assert_close(x.grad[samples], x64.grad, torch.bfloat16, "bwd", f"dx{samples}")
         assert w.grad.isfinite().all()
-        db64 = torch.zeros(32, dtype=torch.float64, device="cuda")
+        db64 = torch.zeros(32, dtype=torch.float64, device=oracle_device(ex.device))
         for n in range(0, shape[0], 256):
-            db64 += dy[n:n + 256].double().sum((0, 2))
+            db64 += fp64(dy[n:n + 256]).sum((0, 2))
         assert_close(b.grad, db64, torch.bfloat16, "param", "dbias", shape[0] * shape[2])
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_batch_norm_more_than_2_31_elements_fwd_bwd(run_on, backend):
+@pytest.mark.parametrize("ex", BIG)
+def test_batch_norm_more_than_2_31_elements_fwd_bwd(run_on, ex):
     """(2049, 1024, 1024) bf16, training: per-channel statistics over 2^21 values, y / dx of
     sampled samples and dweight / dbias against fp64 sums taken chunk by chunk."""
     shape = (2049, 1024, 1024)
     assert math.prod(shape) > 2**31
-    with _on_gpu(run_on, backend), big_memory(5 * math.prod(shape) * 2):
-        x = _randn(shape).requires_grad_()
-        w = (_randn((1024,), seed=1) * 0.5 + 1).requires_grad_()
-        b = (_randn((1024,), seed=2) * 0.5).requires_grad_()
-        rm, rv = torch.zeros(1024, device="cuda"), torch.ones(1024, device="cuda")
+    with run_on(ex, torch.bfloat16), big_memory(ex.device, 5 * math.prod(shape) * 2):
+        x = _randn(shape, device=ex.device).requires_grad_()
+        w = (_randn((1024,), seed=1, device=ex.device) * 0.5 + 1).requires_grad_()
+        b = (_randn((1024,), seed=2, device=ex.device) * 0.5).requires_grad_()
+        rm, rv = torch.zeros(1024, device=ex.device), torch.ones(1024, device=ex.device)
         y = normkit.batch_norm(x, rm, rv, w, b, training=True, momentum=1.0)
-        dy = _randn(shape, seed=3)
+        dy = _randn(shape, seed=3, device=ex.device)
         y.backward(dy)
         count = shape[0] * shape[2]
-        s = torch.zeros(1024, dtype=torch.float64, device="cuda")
+        s = torch.zeros(1024, dtype=torch.float64, device=oracle_device(ex.device))
         for n in range(0, shape[0], 128):
-            s += x.detach()[n:n + 128].double().sum((0, 2))
+            s += fp64(x[n:n + 128]).sum((0, 2))
         mean = s / count
         m2 = torch.zeros_like(s)
         sdy = torch.zeros_like(s)
         sdyx = torch.zeros_like(s)
         for n in range(0, shape[0], 128):
-            xc = x.detach()[n:n + 128].double() - mean[None, :, None]
+            xc = fp64(x[n:n + 128]) - mean[None, :, None]
             m2 += xc.square().sum((0, 2))
-            d = dy[n:n + 128].double()
+            d = fp64(dy[n:n + 128])
             sdy += d.sum((0, 2))
             sdyx += (d * xc).sum((0, 2))
         rstd = torch.rsqrt(m2 / count + 1e-5)
         sdyx *= rstd
-        torch.testing.assert_close(rm.double(), mean, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(rv.double(), m2 / (count - 1), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(fp64(rm), mean, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(fp64(rv), m2 / (count - 1), atol=1e-4, rtol=1e-4)
         samples = _sample_rows(shape[0])
-        xs = x.detach()[samples].double()
+        xs = fp64(x[samples])
         xhat = (xs - mean[None, :, None]) * rstd[None, :, None]
-        y64 = xhat * w.detach().double()[None, :, None] + b.detach().double()[None, :, None]
-        d = dy[samples].double()
+        y64 = xhat * fp64(w)[None, :, None] + fp64(b)[None, :, None]
+        d = fp64(dy[samples])
         dx64 = (d - (sdy[None, :, None] + xhat * sdyx[None, :, None]) / count) * (
-            rstd * w.detach().double())[None, :, None]
+            rstd * fp64(w))[None, :, None]
         assert_close(y.detach()[samples], y64, torch.bfloat16, "fwd", f"y{samples}")
         assert_close(x.grad[samples], dx64, torch.bfloat16, "bwd", f"dx{samples}")
         assert_close(w.grad, sdyx, torch.bfloat16, "param", "dweight", count)
         assert_close(b.grad, sdy, torch.bfloat16, "param", "dbias", count)
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ex", BIG)
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "softmax", "add_layer_norm"])
-def test_row_stride_times_rows_beyond_2_31(run_on, backend, op):
+def test_row_stride_times_rows_beyond_2_31(run_on, ex, op):
     """A row-strided view (rows of a 2^31 + 2^23-element buffer, 1000 columns used): the element
     offset row * stride passes 2^31 while the tensors themselves are small."""
     m, stride, n = (1 << 16) + 256, 1 << 15, 1000
     assert (m - 1) * stride > 2**31
-    with _on_gpu(run_on, backend), big_memory(m * stride * 2 + 8 * GiB):
-        base = torch.empty((m, stride), dtype=torch.bfloat16, device="cuda")
+    with run_on(ex, torch.bfloat16), big_memory(ex.device, m * stride * 2 + 8 * GiB):
+        base = torch.empty((m, stride), dtype=torch.bfloat16, device=ex.device)
         x = base[:, 8:8 + n]
-        x.copy_(_randn((m, n)))
+        x.copy_(_randn((m, n), device=ex.device))
         assert x.stride(0) == stride and not x.is_contiguous()
         leaf = x.detach().requires_grad_()
         if op == "softmax":
             y = normkit.softmax(leaf, -1)
         elif op == "add_layer_norm":
-            r = _randn((m, n), seed=5)
+            r = _randn((m, n), seed=5, device=ex.device)
             y = normkit.add_layer_norm(leaf, r, (n,))
         else:
             y = getattr(normkit, op)(leaf, (n,))
-        dy = _randn((m, n), seed=3)
+        dy = _randn((m, n), seed=3, device=ex.device)
         y.backward(dy)
         rows = _sample_rows(m)
-        x64 = x[rows].double().requires_grad_()
+        x64 = fp64(x[rows]).requires_grad_()
         if op == "softmax":
             y64 = F.softmax(x64, -1)
         elif op == "add_layer_norm":
-            y64 = F.layer_norm(x64 + r[rows].double(), (n,), eps=1e-5)
+            y64 = F.layer_norm(x64 + fp64(r[rows]), (n,), eps=1e-5)
         elif op == "layer_norm":
             y64 = F.layer_norm(x64, (n,), eps=1e-5)
         else:
             y64 = F.rms_norm(x64, (n,), eps=torch.finfo(torch.bfloat16).eps)
-        y64.backward(dy[rows].double())
+        y64.backward(fp64(dy[rows]))
         assert_close(y.detach()[rows], y64, torch.bfloat16, "fwd", f"y{rows}")
         if op != "softmax":  # softmax's dx is checked from the rounded y in the other tests
             assert_close(leaf.grad[rows], x64.grad, torch.bfloat16, "bwd", f"dx{rows}")

@@ -5,7 +5,7 @@ import zlib
 
 import pytest
 import torch
-from conftest import executor_params
+from conftest import DEVICE, executor_params
 
 import normkit
 from normkit.testing import (
@@ -13,6 +13,7 @@ from normkit.testing import (
     Executor,
     assert_close,
     check_case,
+    fp64,
     make_inputs,
     public_results,
     reference_results,
@@ -217,33 +218,34 @@ def test_gradcheck_cuda_kernels(run_on, executor, shape, op):
         assert torch.autograd.gradcheck(lambda *a: fn(a[0], shape[-1:], *a[1:], eps=1e-5), args)
 
 
-@pytest.mark.cuda
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("backend", ["cuda", "npu"])
-def test_one_million_columns(run_on, backend, dtype, op):
-    """N = 2^20 on the GPU, fwd + bwd, both backends' kernels: no row-length limit."""
-    with run_on(Executor(backend, "cuda"), dtype):
-        check_case(op, (3, 1 << 20), 1, dtype, "cuda")
+@pytest.mark.parametrize("ex", [pytest.param(ex, id=ex.name, marks=mark) for ex, mark in DEVICE])
+def test_one_million_columns(run_on, ex, dtype, op):
+    """N = 2^20 on a device, fwd + bwd, both backends' kernels (the NPU's on the GPU and on an
+    Ascend NPU): no row-length limit."""
+    with run_on(ex, dtype):
+        check_case(op, (3, 1 << 20), 1, dtype, ex.device)
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("backend", ["cuda", "npu"])
-def test_more_than_2_31_elements_forward(run_on, backend):
-    """layer_norm forward on 2^31 + 2^18 bf16 elements (4.3 GB): int64 offsets, checked at both ends."""
-    with run_on(Executor(backend, "cuda"), torch.bfloat16):
+@pytest.mark.parametrize("ex", [pytest.param(ex, id=ex.name, marks=mark) for ex, mark in DEVICE])
+def test_more_than_2_31_elements_forward(run_on, ex):
+    """layer_norm forward on 2^31 + 2^18 bf16 elements (4.3 GB): int64 offsets, checked at both ends
+    (references in fp64 on the CPU for an NPU: testing.fp64)."""
+    with run_on(ex, torch.bfloat16):
         m, n = (1 << 19) + 64, 4096
         assert m * n > 2**31
-        free, _ = torch.cuda.mem_get_info()
+        free, _ = torch.get_device_module(ex.device).mem_get_info()
         if free < 3 * m * n * 2:
-            pytest.skip(f"needs {3 * m * n * 2 / 2**30:.1f} GiB of free GPU memory, has {free / 2**30:.1f}")
-        g = torch.Generator(device="cuda").manual_seed(0)
-        x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=g)
-        w = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=g)
-        b = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=g)
+            pytest.skip(f"needs {3 * m * n * 2 / 2**30:.1f} GiB of free {ex.device} memory, "
+                        f"has {free / 2**30:.1f}")
+        g = torch.Generator(device=ex.device).manual_seed(0)
+        x = torch.randn(m, n, device=ex.device, dtype=torch.bfloat16, generator=g)
+        w = torch.randn(n, device=ex.device, dtype=torch.bfloat16, generator=g)
+        b = torch.randn(n, device=ex.device, dtype=torch.bfloat16, generator=g)
         y = normkit.layer_norm(x, (n,), w, b)
         for rows in (slice(0, 256), slice(m // 2 - 128, m // 2 + 128), slice(m - 256, m)):
-            expected = torch.nn.functional.layer_norm(x[rows].double(), (n,), w.double(), b.double())
+            expected = torch.nn.functional.layer_norm(fp64(x[rows]), (n,), fp64(w), fp64(b))
             assert_close(y[rows], expected, torch.bfloat16, "fwd", f"y[{rows.start}:{rows.stop}]")
         assert math.prod(y.shape) == m * n
 

@@ -103,7 +103,7 @@ RECORD: list | None = None
 
 
 def _record(actual, expected, dtype, kind, rows, condition) -> None:
-    a, e = fp64(actual), fp64(expected)
+    a, e = fp64(actual), fp64(expected).to(oracle_device(actual.device))
     finite = e.isfinite() & a.isfinite()
     if not finite.any():
         return
@@ -115,7 +115,8 @@ def _record(actual, expected, dtype, kind, rows, condition) -> None:
 
 
 def assert_close(actual, expected, dtype, kind, name, rows=1, equal_nan=False, condition=1.0):
-    """Compare ``actual`` with the fp64 ``expected`` under the table's tolerance for ``dtype``.
+    """Compare ``actual`` with the fp64 ``expected`` under the table's tolerance for ``dtype``, on
+    :func:`oracle_device` of ``actual`` (``expected`` may be on the CPU for any device).
     ``condition`` (>= 1) scales atol for ill-conditioned inputs (see tests/test_fuzz.py)."""
     assert actual.shape == expected.shape, f"{name}: shape {actual.shape} != {expected.shape}"
     atol, rtol = tolerance(dtype, kind, rows, _scale(expected) if kind == "fwd" else 1.0)
@@ -124,7 +125,7 @@ def assert_close(actual, expected, dtype, kind, name, rows=1, equal_nan=False, c
         _record(actual, expected, dtype, kind, rows, condition)
     torch.testing.assert_close(
         fp64(actual),
-        fp64(expected),
+        fp64(expected).to(oracle_device(actual.device)),
         atol=atol,
         rtol=rtol,
         equal_nan=equal_nan,
@@ -137,7 +138,7 @@ def tolerance_used(actual, expected, dtype, kind, rows=1) -> float:
     if actual.numel() == 0:
         return 0.0
     atol, rtol = tolerance(dtype, kind, rows, _scale(expected) if kind == "fwd" else 1.0)
-    expected = fp64(expected)
+    expected = fp64(expected).to(oracle_device(actual.device))
     used = (fp64(actual) - expected).abs() / (atol + rtol * expected.abs())
     return used.nan_to_num(0.0).max().item()  # NaN where both are NaN (checked by assert_close)
 

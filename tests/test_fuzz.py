@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 import normkit
-from normkit.testing import Executor, add_norm_reference, assert_close, poison_allocator
+from normkit.testing import Executor, add_norm_reference, assert_close, fp64, poison_allocator
 
 _COMMON = dict(
     deadline=None,
@@ -170,7 +170,7 @@ def _leaf(t):
 
 
 def _up(t):
-    return None if t is None else t.detach().double().requires_grad_(True)
+    return None if t is None else fp64(t).requires_grad_(True)
 
 
 def _grad(t):
@@ -223,7 +223,7 @@ def check_row_norm(executor, c):
         y64 = F.layer_norm(x64, c["norm"], w64, b64, eps)
     else:
         y64 = F.rms_norm(x64, c["norm"], w64, eps)
-    y64.backward(dy.double())
+    y64.backward(fp64(dy))
     poison_allocator(dev)
     xl, wl, bl = _leaf(x), _leaf(w), _leaf(b)
     if c["op"] == "layer_norm":
@@ -274,14 +274,14 @@ def check_softmax(executor, c):
     x = _tensor(c["shape"], dtype, dev, c["layout"], g, scale=c["scale"])
     dy = _tensor(c["shape"], out, dev, c["dy_layout"], g)
     log = c["op"] == "log_softmax"
-    y64 = getattr(F, c["op"])(x.double(), dim)
+    y64 = getattr(F, c["op"])(fp64(x), dim)
     poison_allocator(dev)
     xl = _leaf(x)
     y = getattr(normkit, c["op"])(xl, dim, dtype=c["out_dtype"])
     y.backward(dy)
     # dx from the saved, rounded y (as torch's own backward does); see testing.check_softmax_case.
     backward = torch._log_softmax_backward_data if log else torch._softmax_backward_data
-    dx64 = backward(dy.double(), y.detach().double(), dim % len(c["shape"]), torch.float64)
+    dx64 = backward(fp64(dy), fp64(y), dim % len(c["shape"]), torch.float64)
     _compare(dict(y=y, dx=xl.grad), dict(y=y64, dx=dx64), dict(y="fwd", dx="bwd"),
              dict(y=out, dx=dtype), 1)  # fmt: skip
 
@@ -414,8 +414,8 @@ def _condition(var, x, eps) -> float:
     """max(1, max rstd * max |x| / 4) from the per-row (per-group) variances ``var`` of ``x``."""
     if var.numel() == 0 or x.numel() == 0:
         return 1.0
-    rstd = (var.double() + eps).rsqrt().max().item()
-    return max(1.0, rstd * x.detach().double().abs().max().item() / 4.0)
+    rstd = (fp64(var) + eps).rsqrt().max().item()
+    return max(1.0, rstd * fp64(x).abs().max().item() / 4.0)
 
 
 def _row_condition(x64, norm, eps) -> float:
@@ -423,7 +423,7 @@ def _row_condition(x64, norm, eps) -> float:
     close values (N = 2, or a large mean) lose digits to cancellation in fp32 as groups do. A GPU
     fuzz example: add_layer_norm fp32, N = 2, rstd 132, dx off by 1.2e-4 (atol 1e-4), the same
     under the interpreter with the kernels of before and after the host-time changes."""
-    rows = x64.detach().double().reshape(-1, math.prod(norm))
+    rows = fp64(x64).reshape(-1, math.prod(norm))
     return _condition(rows.var(dim=1, unbiased=False), rows, eps)
 
 
@@ -438,7 +438,7 @@ def check_channel(executor, c):
     if c["running"]:
         stats = (_tensor((C,), torch.float32, dev, "contiguous", g, 0.5, c["mean"]),
                  _tensor((C,), torch.float32, dev, "contiguous", g, 0.1, 1.0).abs())  # fmt: skip
-    ref_stats = None if stats is None else [s.double() for s in stats]
+    ref_stats = None if stats is None else [fp64(s) for s in stats]
     ours_stats = None if stats is None else [s.clone() for s in stats]
     x64, w64, b64 = _up(x), _up(w), _up(b)
     kw = dict(eps=c["eps"])
@@ -457,7 +457,7 @@ def check_channel(executor, c):
 
     y64 = call(F, x64, w64, b64, ref_stats)
     # contiguous: torch's CPU batch_norm backward (eval) misreads a permuted incoming gradient
-    y64.backward(dy.double().contiguous())
+    y64.backward(fp64(dy).contiguous())
     poison_allocator(dev)
     xl, wl, bl = _leaf(x), _leaf(w), _leaf(b)
     y = call(normkit, xl, wl, bl, ours_stats)
@@ -473,7 +473,7 @@ def check_channel(executor, c):
     if stats is not None and c["op"] != "group_norm":
         for name, got, ref in zip(("running_mean", "running_var"), ours_stats, ref_stats):
             # fp32 statistics of the rounded input; the unbiased variance scales by count / (count - 1)
-            torch.testing.assert_close(got.double(), ref.to(got.device), atol=1e-4, rtol=1e-4,
+            torch.testing.assert_close(fp64(got), ref, atol=1e-4, rtol=1e-4,
                                        msg=lambda m, name=name: f"{name}: {m}")  # fmt: skip
 
 

@@ -8,7 +8,7 @@ from conftest import executor_params
 
 import normkit
 from normkit import reference
-from normkit.testing import SOFTMAX_OPS, Executor, assert_close, check_softmax_case, softmax_reference
+from normkit.testing import SOFTMAX_OPS, Executor, assert_close, check_softmax_case, fp64, softmax_reference
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 DEVICE_SHAPES = [(m, n) for m in (1, 3, 128, 1151) for n in (1, 7, 1023, 1024, 1025, 4096, 20001, 40999)]
@@ -56,9 +56,9 @@ def test_dtype_argument_casts_first(run_on, executor, shape, op):
     with run_on(executor, torch.float32):
         x = torch.randn(shape, dtype=torch.bfloat16, device=executor.device, requires_grad=True)
         y = getattr(normkit, op)(x, -1, dtype=torch.float32)
-        expected = getattr(torch.nn.functional, op)(x.detach().double(), -1)
+        expected = getattr(torch.nn.functional, op)(fp64(x), -1)
         assert y.dtype == torch.float32
-        torch.testing.assert_close(y.double(), expected, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(fp64(y), expected, atol=2e-5, rtol=2e-5)
         y.sum().backward()
         assert x.grad.dtype == torch.bfloat16
 

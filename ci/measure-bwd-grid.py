@@ -1,7 +1,7 @@
 """Sweep the fused row-norm backward's launch table: programs per SM, elements per thread (warps),
 tile size, and prefetch (the next row tile loaded during this one).
 
-Chose backends/cuda/config.py's FUSED_BWD table (docs/perf-notes.md v3, v15). Each setting times
+Chose backends/cuda/config.py's FUSED_BWD table (docs/tuning-log.md T42). Each setting times
 the CUDA backend's raw backward (dx + dweight/dbias partials + their sum) with the host given a
 head start (``measure-host-bound.gpu_ms``: GPU time only), M * N = 2^27, as a fraction of a device
 copy measured in the same run. Rows longer than the current fused limit are swept fused too, next to

@@ -1,5 +1,5 @@
 """Host time of calls that want gradients (few rows: 16 x 4096 bf16), layer by layer, torch in the
-same process (docs/perf-notes.md v20: training plans).
+same process (docs/tuning-log.md T16: training plans).
 
 Run on a GPU: python3 ci/measure-grad-host.py [M]. Calls are issued back to back behind a GPU sleep,
 so the figure is host time; each is the minimum over 7 repetitions of 100 calls, two passes. Rows:

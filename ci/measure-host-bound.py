@@ -1,4 +1,4 @@
-"""Is a bench cell timing the GPU or the host? (perf-notes v13)
+"""Is a bench cell timing the GPU or the host? (docs/tuning-log.md T2)
 
 For each cell (op, N, dtype; M = 2^27 / N as in the sweep) and implementation, the backward
 (``torch.autograd.grad`` with retain_graph, as ``normkit bench`` times it) and the forward are timed

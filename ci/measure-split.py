@@ -8,7 +8,7 @@ against the reference first.
 python3 ci/measure-split.py {fwd,bwd,softmax-bwd} [dtypes]: the split settings (chunk, warps,
 register cap, most chunks a row, prefetch) of the row-norm / softmax forward, the row-norm backward
 or the softmax backward; GPU time only of the CUDA backend's raw calls (``measure-host-bound.gpu_ms``)
-at N = 16384 ... 262144, next to the kernels without split rows (docs/perf-notes v15).
+at N = 16384 ... 262144, next to the kernels without split rows (docs/tuning-log.md T31, T46, T63).
 """
 
 import functools

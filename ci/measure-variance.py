@@ -1,6 +1,7 @@
-"""Run-to-run variance of single bench cells (perf-notes v10): the same normkit cells measured
-three times in one process, before and after torch.compile runs the same shapes, with the caching
-allocator's cudaMalloc count around each timing. Run on a GPU: python3 ci/measure-variance.py.
+"""Run-to-run variance of single bench cells (docs/tuning-log.md T2: it was host time): the same
+normkit cells measured three times in one process, before and after torch.compile runs the same
+shapes, with the caching allocator's cudaMalloc count around each timing. Run on a GPU:
+python3 ci/measure-variance.py.
 """
 
 import torch

@@ -11,7 +11,7 @@ with ``retain_graph=True``. On CUDA the timer is ``triton.testing.do_bench`` (me
 between runs); on other devices :func:`event_bench` does the same with the device module's events
 (``torch.get_device_module(device)``), and the fp64 reference is computed on the CPU from copies of
 the device inputs (NPU fp64 support is partial). Python's garbage collector is paused while each
-measurement runs, as ``timeit`` does (``--gc-running`` leaves it on; docs/perf-notes.md v21).
+measurement runs, as ``timeit`` does (``--gc-running`` leaves it on; docs/tuning-log.md T3).
 ``torch._dynamo.reset()`` runs before each case, so torch.compile compiles every shape afresh instead
 of falling back to eager after its recompile limit.
 Row tensors hold 2^27 elements (M = 2^27 // N), well past L2; the ``few`` suite is small on purpose

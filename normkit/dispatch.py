@@ -76,7 +76,7 @@ _TRITON_HINT = {  # which install provides the `triton` module a backend was wri
 
 # device type -> backend module, for calls with no override in effect: the per-call lookup of the
 # launch path (a dict read instead of the registry merge and import machinery, ~10 us of host time
-# per call on the H100 host; docs/perf-notes.md v13). Filled on first use.
+# per call on the H100 host; docs/tuning-log.md T12). Filled on first use.
 _DEFAULT_MODULES: dict[str, ModuleType] = {}
 
 

@@ -41,7 +41,7 @@ def _check_tensor(op: str, name: str, value, required: bool) -> None:
 
 def _normalized_shape(op: str, input: torch.Tensor, normalized_shape, name="input") -> tuple[int, ...]:
     kind = type(normalized_shape)
-    if kind is int:  # the common cases first: exact types, no ABC checks (host time, perf-notes v13)
+    if kind is int:  # the common cases first: exact types, no ABC checks (host time, docs/tuning-log.md T12)
         shape = (normalized_shape,)
     elif kind in (tuple, list, torch.Size) and all(type(d) is int for d in normalized_shape):
         shape = tuple(normalized_shape)
@@ -183,7 +183,7 @@ def _flat_param(p: torch.Tensor | None) -> torch.Tensor | None:
 _SEQUENCES = (tuple, list, torch.Size)
 # Signatures of row-op calls that passed every check below, with the backend that served them: a
 # repeated call (a model's layers, every step) skips the checks, ~6 us of host time on the H100 host
-# (docs/perf-notes.md v19). Only calls with exact int shapes, outside a torch.compile trace; the
+# (docs/tuning-log.md T14). Only calls with exact int shapes, outside a torch.compile trace; the
 # backend overrides in effect (dispatch.use_backend) are part of the signature.
 _VALID: dict = {}
 VALID_SIZE = 4096  # signatures remembered; then cleared
@@ -257,9 +257,9 @@ def _prepare(op, input, normalized_shape, eps, input_name="input", torch_dtypes=
 # optional in the contract). An inference plan (no gradient wanted) is one launch, no saved
 # statistics, no checks (they passed for this signature), no autograd, no dispatch: a repeated no-grad
 # call (a served model's layers) costs 16-30 us of host time on the H100 host instead of 46-60
-# (docs/perf-notes.md v19). A training plan (gradients wanted) is a forward and a backward run by
+# (docs/tuning-log.md T15). A training plan (gradients wanted) is a forward and a backward run by
 # one lean autograd.Function (ops.RowNormTraining, AddNormTraining, SoftmaxTraining) with the same
-# direct launches (perf-notes v20). Keyed by everything the checks and the kernels' specialization
+# direct launches (docs/tuning-log.md T16). Keyed by everything the checks and the kernels' specialization
 # depend on, and by whether gradients are wanted.
 _PLANS: dict = {}
 PLANS_SIZE = 4096  # signatures remembered; then cleared

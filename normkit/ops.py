@@ -39,7 +39,7 @@ _MODULES: dict = {}  # device type -> torch's device module (torch.cuda, torch.n
 def _on(device: torch.device):
     """Make ``device`` current for the launch (a tensor on cuda:1 launches on cuda:1). No guard
     when it already is: ~1 us of host time less a call (2.4-2.6 -> 1.5 us on the H100 host,
-    docs/perf-notes.md v18)."""
+    docs/tuning-log.md T20)."""
     if device.index is None or device.type == "cpu":
         return _NO_GUARD
     module = _MODULES.get(device.type)
@@ -58,7 +58,7 @@ def _outs(outputs, like: Tensor, inputs, backend=None) -> tuple[Tensor, ...]:
     """Output tensors: empty for None, and a copy where a backend handed back (a view of) an input
     or of another output — custom operators may not return aliases. A backend that declares
     ``FRESH_OUTPUTS`` (every output a new allocation, as the CUDA launchers make them) skips the
-    check: it costs ~10 us of host time per call on the H100 host (docs/perf-notes.md v13)."""
+    check: it costs ~10 us of host time per call on the H100 host (docs/tuning-log.md T12)."""
     if getattr(backend, "FRESH_OUTPUTS", False):
         return tuple(outputs) if all(t is not None for t in outputs) else tuple(
             like.new_empty(_NONE) if t is None else t for t in outputs
@@ -499,7 +499,7 @@ def _batch_norm_train_eager(x: Tensor, weight: Optional[Tensor], bias: Optional[
                             momentum: float, running_mean: Optional[Tensor], running_var: Optional[Tensor]
                             ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """batch_norm_train's eager kernel: (y, mean, rstd), the running statistics updated in place
-    (no copies back: ~25-30 us of host time a call on the H100 host, perf-notes v17)."""
+    (no copies back: ~25-30 us of host time a call on the H100 host, docs/tuning-log.md T19)."""
     return _batch_norm_train_call(x, weight, bias, eps, momentum, running_mean, running_var, True)
 
 

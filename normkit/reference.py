@@ -215,7 +215,7 @@ def train_fwd_from(stats, apply):
     back as new tensors (the traced operator's front end copies them into the module's buffers), so
     one custom operator with an autograd formula serves the whole training forward (and a backend
     can read x once); eager calls pass ``in_place=True`` and skip the copies (~25-30 us of host time
-    a call on the H100 host, perf-notes v17)."""
+    a call on the H100 host, docs/tuning-log.md T19)."""
 
     def batch_norm_train_fwd(x, weight, bias, eps, momentum, running_mean, running_var, in_place=False):
         """x: (N, C, HW) contiguous -> (y, mean, rstd, running_mean', running_var'): this batch's

@@ -26,7 +26,7 @@ the slices by Chan's formula in a fixed order, computes rstd and updates the run
 place. The apply and dx kernels are elementwise over [rows, HW] tiles of the (N * C, HW) rows; the
 backward's per-channel sums of dy and dy * xhat (= dbias, dweight) are partial rows summed by
 ``reduce.sum_partials``. This reads x twice in training (statistics, then apply) and x and dy twice
-in the backward: 3 / 2 and 5 / 3 of the bytes a single pass moves (perf-notes v14, v17).
+in the backward: 3 / 2 and 5 / 3 of the bytes a single pass moves (docs/tuning-log.md T72, T73).
 
 Channels in parts (``config.batch_norm_smem``; HW a multiple of 16, 16-byte aligned tensors): the
 row norms' rows in parts held in shared memory with a channel for a row, for the training forward
@@ -79,7 +79,7 @@ def _stats_part_kernel(
     # Sums of x - x[0, c, 0] and its square in tile-shaped accumulators (no reduction inside the
     # loop, so loads stream); M2 = sum(d^2) - sum(d)^2 / n is exact enough once the shift has taken
     # the channel's mean out (a first version merged every tile by Chan's formula: 0.29-0.75 of
-    # copy for this read-only pass on H100, perf-notes v14).
+    # copy for this read-only pass on H100, docs/tuning-log.md T72).
     shift = tl.load(X + c.to(tl.int64) * HW).to(ACC)
     s1 = tl.zeros([RB, HWB], ACC)
     s2 = tl.zeros([RB, HWB], ACC)
@@ -348,7 +348,7 @@ def _chunk(k, L, HW, CHW, CHUNK: tl.constexpr, VEC: tl.constexpr):
     (``CHW`` = C * HW). A [CHUNK // VEC, VEC] tile of runs of VEC values; VEC divides HW, so a run
     never crosses a sample and the sample index is formed once per run, and the runs of one sample
     are contiguous: a chunk reads HW-long stretches of memory (a [samples, HW block] tile, reading
-    HW-block-long ones, measured slower in both directions: perf-notes v17)."""
+    HW-block-long ones, measured slower in both directions: docs/tuning-log.md T73)."""
     start = k * CHUNK + tl.arange(0, CHUNK // VEC) * VEC
     n = (start // HW).to(tl.int64)
     j = start[:, None] + tl.arange(0, VEC)[None, :]
@@ -418,7 +418,7 @@ def _fwd_split_kernel(
     """Training forward, x read from HBM once: the K programs of a channel each publish their
     chunk's statistics, meet at the channel's barrier (coop.py), merge the K partials in a fixed
     order (Chan) and normalize their chunk, read again from L2 (holding it in registers through the
-    barrier measured slower: fewer programs per SM; perf-notes v17). The k = 0 program writes the
+    barrier measured slower: fewer programs per SM; docs/tuning-log.md T73). The k = 0 program writes the
     channel's statistics and running statistics."""
     pid = tl.program_id(0)
     groups = tl.num_programs(0) // K

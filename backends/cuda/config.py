@@ -1,8 +1,10 @@
 """Launch heuristics of the CUDA backend: the one place where tile sizes, warps and grids are chosen.
 
 Every kernel launch in ``backends/cuda`` gets its shape from a function here, as a frozen
-:class:`LaunchConfig`. Thresholds carry the measurement that chose them (docs/perf-notes.md has the
-runs). Speed tuning beyond these first choices is issue 4's work.
+:class:`LaunchConfig`. Each threshold carries the one measurement that chose it and the id of its line in
+docs/tuning-log.md (the alternatives measured, the commit); results against the targets:
+docs/performance.md. Figures: H100, 2^27-element tensors, GPU time as a fraction of copy, bf16 unless
+named.
 """
 
 from __future__ import annotations
@@ -18,23 +20,18 @@ import triton.language as tl
 from normkit.backends.cuda import compat, coop, smem
 
 # A row whose next power of two is at most this many elements is held in registers by one program
-# (one read of x). Longer rows loop over column tiles and read x twice (stats, then normalize).
-# Measured on H100, M*N = 2^27, fraction of copy, fused vs looped (ci/measure-fused-threshold.py,
-# docs/perf-notes.md v1): forward bf16 LayerNorm 0.91 vs 0.66 at N = 32768 but 0.40 vs 0.63 at
-# 65536 (register spills); fp32 0.96 vs 0.66 at 32768.
+# (one read of x). Longer rows are shared by programs (shared memory, split rows) or loop over column
+# tiles, reading x twice. Fused vs looped LayerNorm: 0.91 vs 0.66 at 32768, 0.40 vs 0.63 at 65536
+# (register spills); fp32 0.96 vs 0.66 at 32768 (docs/tuning-log.md T24).
 FUSED_MAX_N_FWD = 32768
 # The backward keeps x, dy, w, xhat and two accumulators live per element, so spills start sooner,
-# and sooner for LayerNorm (one more reduction) than RMSNorm. Same run: LayerNorm bf16 fused vs
-# looped 0.59 vs 0.51 at 8192, 0.40 vs 0.52 at 16384; RMSNorm 0.65 vs 0.53 at 16384, 0.15 vs 0.53
-# at 32768 (fp32 alike: LayerNorm 0.38 vs 0.59, RMSNorm 0.70 vs 0.59 at 16384).
-# Keyed by (is_rms, element size >= 4): fp32 RMSNorm at N = 16384 reads 0.73 fused and LayerNorm
-# 0.92 split (perf-notes v15), so fp32 RMSNorm splits from 16384 too; 16-bit RMSNorm keeps the fused
-# 0.76-0.82 (split LayerNorm: 0.69-0.71) where its rows cannot take shared memory (SMEM_BWD: 0.94).
+# and sooner for LayerNorm (one more reduction) than RMSNorm. Keyed by (is_rms, element size >= 4).
+# Fused vs looped at 16384: LayerNorm 0.40 vs 0.52, RMSNorm 0.65 vs 0.53; fp32 RMSNorm fused 0.73 vs
+# split rows 0.93 (docs/tuning-log.md T40).
 FUSED_MAX_N_BWD = {(False, False): 8192, (False, True): 8192, (True, False): 16384, (True, True): 8192}
-# The softmax backward holds a row of y and one of dy. At N = 32768 (M = 4096, GPU time only, H100;
-# perf-notes v18) fused vs split rows: softmax / log_softmax bf16 0.97 / 1.00 vs 0.91 / 0.89, fp16
-# 0.92 / 1.00 vs 0.91 / 0.90, fp32 0.87 / 0.91 vs 0.95 / 0.95; rows of 16385-32768 now take the
-# looped kernel instead (LOOPED_SOFTMAX_BWD, perf-notes v36), so the fused limit is 16384 for every dtype.
+# The softmax backward holds a row of y and one of dy. Rows of 16385-32768 take the looped kernel
+# (LOOPED_SOFTMAX_BWD: 0.995 vs fused 0.917-0.960 at 32768), so the fused limit is 16384 for every
+# dtype (docs/tuning-log.md T62).
 FUSED_MAX_N_SOFTMAX_BWD = 16384
 # fp64 rows take twice the registers.
 FP64_DIVISOR = 2
@@ -55,13 +52,9 @@ class _FusedBwd:
 
 
 # Fused backward launch table, keyed by (is_rms, element size >= 4 bytes), from
-# ci/measure-bwd-grid.py on H100, M*N = 2^27, GPU time only (fraction of copy of the chosen entry;
-# docs/perf-notes.md v15). 16-bit (bf16 / fp16 measured alike): LayerNorm 0.93 at N = 64-256,
-# 0.94-0.96 at 512-4096, 0.88-0.89 at 8192; RMSNorm 0.94-0.97 at 64-8192, 0.76-0.82 at 16384.
-# fp32: LayerNorm 0.95-1.00 at 64-8192; RMSNorm 0.96-0.98 at 64-8192, 0.73 at 16384. The worst
-# settings at the same N read 0.35-0.75. Prefetch (two row tiles in flight per program) was worth
-# 0.03-0.10 in most 16-bit cells and spills at 16384 (0.06-0.12); fp32 at N <= 2048 prefers 8 warps
-# per SM without it. fp64 uses the fp32 entries (its fused limit is halved).
+# ci/measure-bwd-grid.py (GPU time only; fp64 uses the fp32 entries): 16-bit LayerNorm 0.93-0.96 at
+# N = 64-4096, RMSNorm 0.94-0.97 at 64-8192, fp32 0.95-1.00, against 0.35-0.75 for the worst settings;
+# prefetch +0.03-0.10 in most 16-bit cells, off where it spills (docs/tuning-log.md T42, T44).
 FUSED_BWD = {
     (False, False): (  # LayerNorm, 16-bit
         _FusedBwd(128, 1, 16, 8192, False),
@@ -103,45 +96,27 @@ LOOPED_PROGRAMS_PER_SM = 2
 # programs that exchange partial statistics, so x (and dy) are read from HBM once. Residency is
 # guaranteed by the register file: programs per SM = 64 K registers // (threads x register cap),
 # within 64 warps per SM (H100; also true of A100). Kernels launched without a cap count as 256
-# registers a thread. Chunk sizes and warps: docs/perf-notes.md v5.
+# registers a thread. Chunk sizes and warps: docs/tuning-log.md T31, T46.
 REGISTERS_PER_SM = 65536
 MAX_WARPS_PER_SM = 64
 MAX_REGISTERS = 256
 # (chunk elements, num_warps, register cap, most chunks per row[, prefetch]). Backward: x, dy and
 # the dweight/dbias partials in registers; settings tried in order, the first that can split the
-# row is used. More than 32 chunks per row (bf16 N > 131072) made the row barrier the bottleneck
-# before prefetch: LayerNorm backward 0.45 vs 0.56 looped at N = 262144 (perf-notes v5). With
-# prefetch (the next row's chunk loaded and its partials published before this row's wait;
-# ci/measure-split.py bwd, H100, GPU time only; perf-notes v15): 2048-element chunks read bf16
-# LayerNorm 0.69-0.72 at N = 16384-65536, RMSNorm 0.73-0.76, fp32 0.92-0.94 (not pipelined, same
-# chunks: bf16 0.61-0.64 at 16384-32768, fp32 0.84-0.89); past 32 chunks, 4096-element chunks at 4
-# warps read bf16 0.57-0.69 and fp32 0.83-0.92 at 131072-262144 (looped: 0.55-0.59).
+# row is used; prefetch: pipelined, the next row's chunk loaded and its partials published before
+# this row's wait. LayerNorm 0.69-0.72 at N = 16384-65536 pipelined vs 0.61-0.64 not; past 32
+# chunks 0.57-0.69 at 131072-262144 vs looped 0.55-0.59 (docs/tuning-log.md T46).
 SPLIT_BWD = ((2048, 4, 128, 32, True), (4096, 4, MAX_REGISTERS, 128, True))
-# Softmax backward, keyed by element size >= 4 bytes: y and dy in registers. 16-bit: loading the
-# next row's chunks and publishing their partial before this row's wait took bf16 softmax /
-# log_softmax from 0.82-0.86 / 0.75-0.83 to 0.90-0.91 / 0.89-0.90 at N = 65536-262144 (8 warps, a
-# 128-register cap; at 168 or 256 registers 0.63-0.75; ci/measure-split.py softmax-bwd, H100, GPU
-# time only; perf-notes v15). fp32 keeps the setting of the v13 bench (0.92-0.96 / 0.97-0.98 there):
-# the 16-bit one read 0.84-0.86 for fp32 in the v15 bench (two rows of fp32 dy and y chunks fill the
-# whole 128-register cap). Not re-run on the GPU after this change (perf-notes v15).
+# Softmax backward, keyed by element size >= 4 bytes: y and dy in registers. 16-bit pipelined
+# 0.90-0.91 at N = 65536-262144 vs 0.82-0.86 not; fp32 not pipelined, 0.92-0.96 (the 16-bit setting
+# read 0.84-0.86 in fp32: two rows of fp32 chunks fill the 128-register cap) (docs/tuning-log.md T63).
 SPLIT_SOFTMAX_BWD = {False: (8192, 8, 128, 32, True), True: (8192, 4, MAX_REGISTERS, 32, False)}
 # Forward, keyed by (element size >= 4 bytes, op kind: "layer_norm", "rms_norm", "add_norm",
 # "softmax" (and log_softmax)); (chunk elements, num_warps, register cap, most chunks, prefetch).
-# Re-read (prefetch False): the chunk is read again from L2 after the barrier instead of being held
-# in registers, so a register cap allows many programs per SM to hide each other's barrier
-# (perf-notes v6); 16-bit 8192-element chunks at 8 warps read 0.67-0.84 at N = 65536-262144, fp32
-# 4096 x 4 warps at 96 registers 0.72-0.85 (ci/measure-split.py fwd, H100, GPU time only; v15).
-# Prefetch: the chunk is held through the barrier and the next row's chunk is loaded before this
-# row's reductions. With every synchronisation removed, the re-read kernel still read only
-# 0.86-0.88 (0.77-0.84 with them): loads not in flight were the loss, not the barrier (v16). H100,
-# GPU time only, N = 65536 / 131072 / 262144, prefetch setting vs re-read (perf-notes v16):
-#   RMSNorm bf16 8192 x 8 warps at 80 registers 0.85 / 0.87 / 0.82 vs 0.81 / 0.83 / 0.80;
-#   RMSNorm fp32 4096 x 8 at 64: 0.93 / 0.91 / 0.87 vs 0.84 / 0.84 / 0.81;
-#   softmax / log_softmax bf16 8192 x 8 at 64: 0.78 / 0.77 / 0.77, 0.83 / 0.81 / 0.79 vs 0.74 /
-#   0.73 / 0.69, 0.79 / 0.78 / 0.74; fp32 4096 x 8 at 64: 0.87 / 0.83 / 0.78, 0.89 / 0.84 / 0.78
-#   vs 0.79 / 0.78 / 0.75, 0.82 / 0.81 / 0.78.
-# LayerNorm and the add-norms keep re-reading: with prefetch they read 0.52-0.72 (LayerNorm) and
-# 0.48-0.86 (add-norms) against 0.66-0.82 and 0.84-0.93 (more values live per element: registers).
+# Re-read (prefetch False): the chunk is read again from L2 after the barrier, so a register cap lets
+# many programs share an SM (16-bit 0.67-0.84 at N = 65536-262144; T31). Prefetch: the chunk is held
+# through the barrier and the next row's chunk loaded before this row's reductions, for RMSNorm and
+# softmax (RMSNorm 0.85 vs 0.81 re-read at 65536); LayerNorm and the add-norms spill with it (0.48-0.72
+# vs 0.66-0.93) (docs/tuning-log.md T32).
 SPLIT_FWD = {
     (False, "layer_norm"): (8192, 8, 64, 64, False),
     (True, "layer_norm"): (4096, 4, 96, 64, False),
@@ -153,9 +128,9 @@ SPLIT_FWD = {
     (True, "softmax"): (4096, 8, 64, 64, True),
 }
 
-# Partial-sum reduction tiles. A first version had one program per 1024 columns walking the G
-# partial rows one load at a time: at N = 256 that single program's G dependent loads cost as
-# much as the whole backward (bf16 LayerNorm backward 0.20 of copy; docs/perf-notes.md v2).
+# Partial-sum reduction tiles, about one program per SM. A first version had one program per 1024
+# columns walking the G partial rows a load at a time: at N = 256 it cost as much as the whole
+# backward (LayerNorm backward 0.20 of copy; docs/tuning-log.md T41).
 REDUCE_ROWS = 64
 REDUCE_MIN_BLOCK = 16
 REDUCE_MAX_BLOCK = 256
@@ -167,7 +142,7 @@ INTERPRETER_SMS = 4
 
 # Launch configs are pure functions of (shape, dtype, device): each public chooser below is memoized
 # (bounded, thread-safe lru_cache). A 16 x 4096 LayerNorm forward + backward spent ~12% of its host
-# time choosing configs (cProfile on the H100, docs/perf-notes.md v11). Scripts that change the
+# time choosing configs (cProfile on the H100; docs/tuning-log.md T9). Scripts that change the
 # constants above call clear_caches().
 CACHE_SIZE = 1024
 _CACHED = []
@@ -307,19 +282,11 @@ def forward(M: int, N: int, dtype: torch.dtype, device: torch.device, kind: str 
 
 # LayerNorm's fused forward takes both moments of a row in one reduction (ONE_READ of
 # layer_norm._fwd_fused_kernel: E[xs^2] - E[xs]^2 of xs = x - x[row, 0], the variance taken again
-# about the mean where the shift is an outlier) for rows of at least ONE_READ_MIN_N: one program a
-# row and an SM, whose two cross-warp reductions are what it waits on. H100, 2^27 elements, GPU time,
-# fractions of bench.copy_gbps, against the two-pass kernel in the same process (perf-notes v35,
-# ln-ab2.txt): N = 32768 bf16 0.914-0.918 -> 0.934, fp16 0.919-0.921 -> 0.937, add_layer_norm fp32
-# 0.949-0.950 -> 0.983 (16-bit add_layer_norm level at 0.976-0.980); fp32 layer_norm 0.921-0.922 ->
-# 0.913 (ptxas: 24 bytes spilled with the outlier branch), so not there; 4096-16384 level or within
-# 0.007 either way, so not there either. CUDA tensors only: the interpreter folds a tuple reduction
-# left to right (fp32 sums of 20000 squares off by ~1e-5), where the GPU sums a tree.
-# Superseded for the add-norms (their figures above are the 2-D form's): they went back to two passes
-# when the one-row tile became 1-D (perf-notes v37). That form stopped spilling, and at 32768 the
-# two-pass kernel read fp32 0.988 against one-read's 0.929 (which spills 24-28 bytes), bf16 / fp16
-# 0.988-0.990 against 0.979-0.981, two rounds each on the H100; 16-bit layer_norm stays one-read
-# (0.945-0.960 against two passes' 0.933-0.942).
+# about the mean where the shift is an outlier) for 16-bit rows of at least ONE_READ_MIN_N: one
+# program a row and an SM, whose two cross-warp reductions are what it waits on. N = 32768: bf16
+# 0.933-0.936 -> 0.945-0.949; not fp32 (spills, 0.921 -> 0.913) nor the add-norms (two passes 0.988
+# vs 0.929 in fp32) (docs/tuning-log.md T29). CUDA tensors only: the interpreter folds a tuple
+# reduction left to right (fp32 sums of 20000 squares off by ~1e-5), where the GPU sums a tree.
 ONE_READ_MIN_N = 32768
 
 
@@ -331,32 +298,19 @@ def one_read_moments(cfg: LaunchConfig, dtype: torch.dtype, device: torch.device
 
 
 # Rows resident in shared memory (smem.py), keyed by op kind: (chunk elements, num_warps, shortest
-# row). Only for the kinds, dtypes and lengths measured faster than the alternatives: 16-bit rows
-# longer than the fused limit that fit one program's shared memory (N <= 114688 on the H100). H100,
-# GPU time of the kernel alone, bf16, M * N = 2^27, one process (perf-notes v24; v23 for fp32 and
-# the first chunk sweep):
-# - rms_norm: 8192-element chunks read 0.93-0.95 at N = 40000-114688 (16384: 0.91-0.94; split rows
-#   0.86-0.87); at 32768 the fused kernel stays faster (0.98 vs 0.955).
-# - layer_norm: 16384 (0.89 at 40000-65536 with ONE_PASS, 0.74-0.75 two-pass at 98304-114688;
-#   8192: 0.70-0.86; split rows 0.68-0.73); fused at 32768 (0.95 vs 0.92).
-# - softmax / log_softmax: 8192 (0.87-0.91 / 0.89-0.92 at 40000-65536, 0.80-0.85 at 98304-114688;
-#   16384: 0.83 / 0.92 at 40000, level elsewhere: SMEM_WIDE; split rows 0.76-0.84); fused at 32768
-#   (0.94-0.95 vs 0.91-0.935). With each thread's own running max and sum (v29, ab-parts.txt):
-#   0.925 / 0.906 softmax and 0.933 / 0.919 log_softmax at 65536 / 98304 (16384: 0.922 / 0.901,
-#   0.932 / 0.910; the kernel before: 0.867-0.870 / 0.807-0.810, 0.897-0.902 / 0.852-0.859).
-# - fp32: rows of 32768 read 0.93-0.97 vs the fused kernels' 0.96-1.00.
+# row). 16-bit rows longer than the fused limit that fit one program's shared memory (N <= 114688 on
+# the H100): RMSNorm 0.93-0.95 at N = 40000-114688 vs split rows 0.86-0.87, LayerNorm 0.89 vs
+# 0.68-0.73 at 40000-65536 (T34, T35); softmax with each thread's own running max and sum 0.925 at
+# 65536 (T37). At 32768 the fused kernels stay faster (RMSNorm 0.98 vs 0.955) (docs/tuning-log.md).
 SMEM_FWD = {"layer_norm": (16384, 16, 32769), "rms_norm": (8192, 16, 32769), "softmax": (8192, 16, 32769)}
-# Longer rows of these kinds take (shortest row, chunk elements) instead. Softmax in 8192-element
-# chunks at N = 65536 is register-starved when ptxas of CUDA 13 builds it (torch's, which Inductor
-# puts in TRITON_PTXAS_PATH the first time torch.compile runs in the process): 64 registers and
-# spills, 0.63 vs 0.86 (Triton 3.6's ptxas of CUDA 12.8: 104 registers). 16384-element chunks build
-# to 127-128 registers with either and read level with 8192 (0.865 vs 0.872, 0.80 / 0.83 at
-# 98304 / 114688, perf-notes v24); below 49152 the masked tail of a 16384 chunk costs (0.83 vs 0.91).
+# Longer rows of these kinds take (shortest row, chunk elements) instead: CUDA 13's ptxas (which
+# torch.compile puts in TRITON_PTXAS_PATH) builds softmax's 8192-element chunk at N = 65536 with
+# spills, 0.63 vs 0.86; 16384 reads level (0.865 vs 0.872) and costs below 49152 (0.83 vs 0.91)
+# (docs/tuning-log.md T34, T6).
 SMEM_WIDE = {"softmax": (49153, 16384)}
 # LayerNorm's statistics in one read of the buffers (Welford's update per column slot, two more
-# register arrays) up to this many buffers a row, else two reads. H100 bf16, 16384-element chunks:
-# one read 0.89 vs two 0.81-0.85 at N = 40000-65536; at 98304-114688 the one-read kernel spills
-# registers (ptxas) and reads 0.66-0.69 vs 0.74-0.75 (perf-notes v24).
+# register arrays) up to this many buffers a row, else two reads: one read 0.89 vs two 0.81-0.85 at
+# N = 40000-65536; past 4 buffers it spills, 0.66-0.69 vs 0.74-0.75 (docs/tuning-log.md T36).
 SMEM_ONE_PASS_MAX_CHUNKS = 4
 SMEM_RESERVE = 1024  # bytes of a program's shared memory kept for the kernel's reductions
 
@@ -378,25 +332,18 @@ def smem_row(M: int, N: int, dtype: torch.dtype, device: torch.device, kind: str
 
 # Row-norm backward rows in shared memory (layer_norm._bwd_smem_kernel): x and dy stream through
 # one program's shared memory together, its fp32 dweight / dbias partials ([chunks, chunk] each) stay
-# in registers. (chunk elements, num_warps, shortest row, longest row). H100, bf16, M * N = 2^27, the
-# kernel plus the partial sum, GPU time, fraction of copy, against the production backward in the
-# same process (perf-notes v25): LayerNorm N = 16384: 0.88 (8192 x 16 warps, spare buffer) vs split
-# rows 0.73 (4096-element chunks 0.82-0.84; partials in shared memory instead: 0.66-0.75, dbias's
-# alone 0.72-0.84); RMSNorm 16384: 0.94 vs the fused kernel's 0.76; 32768: 0.89 vs split rows 0.78.
-# Longer rows take rows in parts (SMEM_SPLIT_BWD), since 32768 too (perf-notes v26, same process):
-# RMSNorm 32768 0.88 here vs 0.92 in two parts, add_rms_norm 0.83 vs 0.92; 24576 stays (RMSNorm 0.91
-# vs 0.89), as LayerNorm 16384 (0.87 vs 0.82 in one part; add_layer_norm 0.83 vs 0.86 there: see
-# SMEM_BWD_DRES_LONGEST) and RMSNorm 16384 (0.94 vs 0.77).
+# in registers. (chunk elements, num_warps, shortest row, longest row). LayerNorm 16384: 0.88 vs split
+# rows 0.73, RMSNorm 16384 0.94 vs fused 0.76 (T48); longer rows were faster in parts (RMSNorm 32768:
+# 0.92 vs 0.88 here; T56), which IN_PARTS now keeps off (docs/tuning-log.md).
 SMEM_BWD = (8192, 16, 8193, 24576)
 # The add-LayerNorm backward that writes the residual's gradient too (a third output stream) takes
-# the rows in parts kernel past this length instead: bf16 N = 16384 0.86 there (one part, two rows
-# deep, weight held) vs 0.83 in the one-program kernel (same process, perf-notes v26,
-# ab-one-program-vs-parts.txt; seventeenth run: 0.76 / 0.83 bf16 / fp16). Not the add-RMSNorm
-# (0.74 vs 0.93 there).
+# the rows-in-parts kernel (one part) past this length: 16384 0.922 vs 0.829 in the one-program
+# kernel (docs/tuning-log.md T57). Not the add-RMSNorm (0.74 vs 0.93 there).
 SMEM_BWD_DRES_LONGEST = 8192
 # The registers bound the partials: next_pow2(chunks) rows for each of dweight / dbias, at most this
 # many rows in all (64 fp32 registers a thread at 16 warps; LayerNorm 16384 and RMSNorm 32768 build
-# to 128 registers with <= 24 bytes spilled, ptxas -v; one more row spills in earnest).
+# to 128 registers with <= 56 bytes spilled, ptxas -v; one more row spills in earnest;
+# docs/tuning-log.md T49).
 SMEM_BWD_PARTIAL_ROWS = 4
 
 
@@ -415,22 +362,17 @@ def smem_backward(M: int, N: int, dtype: torch.dtype, device: torch.device,
     return _smem_config(M, N, dtype, device, chunk, warps, 2)  # a buffer of x and one of dy
 
 
-# Rows past one program's room in the backward (16-bit): K = cdiv(N, CHUNKS x CHUNK) co-resident programs
-# share a row, each streaming its part of x and dy through shared memory two rows deep, holding its part
-# of the weight there too and its part's partials in registers; they exchange the row terms as tagged
-# words (smem.publish / gather). (chunk elements, buffers a part, num_warps). H100, M * N = 2^27, the
-# kernel plus the partial sum, GPU time, fraction of copy, against the production backward before it in
-# the same process, bf16 / fp16 (perf-notes v26): 8192 x 2 at 8 warps, spare buffer: LayerNorm
-# 32768-262144 0.85-0.87 vs split rows 0.58-0.74 (24576: 0.81 vs 0.69); RMSNorm 65536-262144 0.93 vs
-# 0.67-0.75; add_layer_norm 24576-262144 0.86-0.89 vs 0.66-0.82; add_rms_norm 0.93 vs 0.74-0.81.
-# With the weight re-read from L2 instead: LayerNorm 0.78-0.83, RMSNorm 0.86-0.89. Other settings (weight
-# from L2): no spare buffer 0.73-0.88, 4096 x 4 0.76-0.85, 8192 x 3 (RMSNorm) 0.77-0.79, 16 warps
-# 0.73-0.87.
+# Rows past one program's room in the backward (16-bit): K = cdiv(N, CHUNKS x CHUNK) co-resident
+# programs share a row, each streaming its part of x and dy through shared memory two rows deep,
+# holding its part of the weight there too and its part's partials in registers; they exchange the
+# row terms as tagged words (smem.publish / gather). (chunk elements, buffers a part, num_warps).
+# LayerNorm 32768-262144 0.85-0.87 vs split rows 0.58-0.74, RMSNorm 0.93 vs 0.67-0.75
+# (docs/tuning-log.md T56).
 SMEM_SPLIT_BWD = (8192, 2, 8)
 # Rows (BatchNorm: channels) in parts: K programs each hold a part in shared memory and wait for
 # each other's tagged row terms (smem.collect) with no bound, so they hang where partners cannot
 # get an SM (coop.py). More than one part a row is off until they join their row group first, as
-# the split-row kernels do; the split-row and looped kernels serve those rows (cost: perf-notes v40).
+# the split-row kernels do; the split-row and looped kernels serve those rows (cost: docs/tuning-log.md T51).
 IN_PARTS = False
 
 
@@ -483,55 +425,28 @@ def _smem_config(M: int, N: int, dtype: torch.dtype, device: torch.device, chunk
     return LaunchConfig(chunk, warps, 1, grid, False, chunks, prefetch=spare, smem=True)
 
 
-# Rows in parts, forward (row norms, 16-bit here and fp32 below, layer_norm._fwd_smem_split_kernel; softmax,
-# softmax._fwd_smem_split_kernel): K = cdiv(N, width)
-# co-resident programs share a row, each streaming its part (x, and the residual for the add-norms)
-# through shared memory DEPTH rows deep and holding its part of the weight and bias there,
-# exchanging tagged row terms. Per kind: (shortest row, settings (chunk elements, buffers a part,
-# num_warps, depth) tried in order until one fits beside the weight and bias). H100, bf16, M * N =
-# 2^27, the kernel alone, GPU time, fraction of copy at N = 65536 / 131072 / 262144, against the
-# production forward in the same process (perf-notes v27):
-# - layer_norm: 16384 x 1, 3 deep: 0.855 / 0.861 / 0.870 (8192 x 2: 0.840 / 0.840 / 0.849; 2 deep
-#   0.80; 16 warps 0.82-0.83) vs 0.891 (one program) / 0.710 / 0.677 (split rows). With each part's
-#   moments in one read (v30, ln-ab.txt / ln-ab2.txt, bf16 / fp16): 16384 x 1 0.894-0.904 at 131072
-#   / 262144 (two reads 0.877-0.887), 0.900-0.908 at 81920 / 98304 against the one-program kernel's
-#   0.886-0.892 / 0.79-0.81, level at 65536 (0.877-0.880 vs 0.887-0.897): in parts from 65537. 8192
-#   x 2 0.86-0.88, 8192 x 3 2 deep 0.85-0.90, 4096 x 5 (wider parts) 0.79-0.88, 4096 x 4 0.83-0.86.
-# - rms_norm: 8192 x 3, 3 deep: 0.915 / 0.931 / 0.936 (16384 x 1: 0.908-0.918) vs 0.938 / 0.879 / 0.839.
-# - Parts narrower than the buffers cost: cut evenly into more parts (65536 = 6 x 10928 of 16384)
-#   LayerNorm read 0.70-0.72, RMSNorm 0.77-0.79 (a program's time a row is its buffers', not its
-#   columns'); 8192-column parts 0.68-0.75.
-# - softmax / log_softmax in parts (v29, ab-parts.txt; each part's max and sum of exp(x - max) in one
-#   read, a running max a thread): 8192 x 3, 3 deep 0.901 / 0.919 softmax, 0.913 / 0.923 log_softmax
-#   at 131072 / 262144 vs split rows 0.793 / 0.776, 0.835 / 0.807 (16 warps 0.79-0.90; 16384 x 1
-#   0.876-0.885; 8192 x 2 0.860-0.884; 16384 x 2 at 16 warps 2 deep 0.880-0.899; 8192 x 4 at 16
-#   warps 2 deep 0.882-0.907). At 98304 the one-program kernel stays (0.906 / 0.919 vs 0.894 / 0.897):
-#   rows in parts from the first length one program cannot hold. (v27's kernel, two reads of a part
-#   and a chunk's max over the whole program, read 0.60-0.77 / 0.75-0.82.)
+# Rows in parts, forward (row norms, 16-bit here and fp32 below, layer_norm._fwd_smem_split_kernel;
+# softmax, softmax._fwd_smem_split_kernel): K = cdiv(N, width) co-resident programs share a row, each
+# streaming its part (x, and the residual for the add-norms) through shared memory DEPTH rows deep and
+# holding its part of the weight and bias there, exchanging tagged row terms. Per kind: (shortest row,
+# settings (chunk elements, buffers a part, num_warps, depth) tried in order until one fits beside the
+# weight and bias). Parts as wide as their buffers (even cuts read 0.70-0.72). At 131072 / 262144 vs
+# split rows (docs/tuning-log.md T58, T59):
+# - layer_norm 16384 x 1: 0.894-0.904 vs 0.68-0.71; from 65537 (one program 0.79-0.81 at 98304).
+# - rms_norm 8192 x 3: 0.931 / 0.936 vs 0.84-0.88.
+# - add_norm 8192 x 2, 2 deep: 0.92-0.96 vs 0.89-0.95.
+# - softmax 8192 x 3: 0.90-0.92 vs 0.78-0.84; from the first length one program cannot hold.
 SMEM_SPLIT_FWD = {
     "layer_norm": (65537, ((16384, 1, 8, 3), (8192, 2, 8, 3))),
     "rms_norm": (131072, ((8192, 3, 8, 3), (16384, 1, 8, 3), (8192, 2, 8, 3))),
     "add_norm": (65536, ((8192, 2, 8, 2), (4096, 4, 8, 2), (4096, 2, 8, 2))),
     "softmax": (114689, ((8192, 3, 8, 3), (8192, 2, 8, 3))),
 }
-# fp32 rows in parts, same key, from past the fused limit. Softmax (v29, ab-production.txt, direct
-# launches; split rows in production then): softmax / log_softmax 4096 x 3, 3 deep 0.951 / 0.963 /
-# 0.961 and 0.951 / 0.964 / 0.957 at 65536 / 131072 / 262144 vs split rows 0.878 / 0.848 / 0.801 and
-# 0.906 / 0.860 / 0.806 (4096 x 4: 0.935-0.962, 8192 x 2: 0.935-0.959, 4096 x 2: 0.902-0.911, 8192 x
-# 1: 0.917-0.930). The row norms (v31, ab-fp32.txt / ab-fp32-shift.txt: two runs, one process each,
-# layer_norm._forward, fraction of bench.copy_gbps; the fp32 weight and bias held beside the
-# buffers limit the settings; LayerNorm's statistics of x - x[row, 0], as the split rows'), at
-# 65536 / 131072 / 262144 against the split rows' 0.81 / 0.80 / 0.71 (LayerNorm), 0.92 / 0.91 /
-# 0.86-0.87 (RMSNorm), 0.90 / 0.89 / 0.78-0.80 (add_layer_norm), 0.90-0.93 / 0.90-0.93 / 0.89-0.90
-# (add_rms_norm):
-# - layer_norm 8192 x 1, 3 deep: 0.912-0.923 / 0.921-0.924 / 0.917-0.921 (4096 x 2 3 deep 0.90-0.91;
-#   4096 x 3 2 deep 0.90-0.92; 2048 x 6 2 deep 0.89-0.91; 4096 x 2 2 deep 0.85-0.88).
-# - rms_norm 8192 x 1, 3 deep: 0.936-0.940 / 0.928-0.945 / 0.939-0.941 (4096 x 3 3 deep 0.921-0.951,
-#   level in sum; 4096 x 2 0.92-0.93; 8192 x 2 and 4096 x 4 2 deep 0.90).
-# - add_norm 4096 x 2, 2 deep: add_layer_norm 0.919-0.936 / 0.927-0.949 / 0.933-0.945, add_rms_norm
-#   0.937-0.954 / 0.935-0.958 / 0.939-0.949 (8192 x 1 2 deep level, 4096 x 1 3 deep 0.85-0.94).
-# - At 32768 the fused kernels stay: LayerNorm 0.925 vs 0.88-0.91 in parts, RMSNorm 0.983 vs 0.91-0.92,
-#   add_layer_norm 0.950 vs 0.93, add_rms_norm 0.989 vs 0.93-0.95.
+# fp32 rows in parts, same key, from past the fused limit (the fp32 weight and bias held beside the
+# buffers limit the settings; LayerNorm's statistics of x - x[row, 0]). At 65536-262144 vs split
+# rows: softmax 4096 x 3 0.95-0.96 vs 0.80-0.91, LayerNorm 8192 x 1 0.92 vs 0.71-0.81, RMSNorm 0.94 vs
+# 0.86-0.92, add-norms 4096 x 2 0.92-0.96 vs 0.78-0.93; at 32768 the fused kernels stay
+# (docs/tuning-log.md T60).
 SMEM_SPLIT_FWD_FP32 = {
     "softmax": (FUSED_MAX_N_FWD + 1, ((4096, 3, 8, 3), (4096, 2, 8, 3))),
     "layer_norm": (FUSED_MAX_N_FWD + 1, ((8192, 1, 8, 3), (4096, 2, 8, 3))),
@@ -539,17 +454,9 @@ SMEM_SPLIT_FWD_FP32 = {
     "add_norm": (FUSED_MAX_N_FWD + 1, ((4096, 2, 8, 2), (4096, 1, 8, 3))),
 }
 # Term slots a row group (smem.row_terms; smem.MIN_RING at least), per kind of forward and for the
-# backward (keyed by whether it writes the residual's gradient). H100, M * N = 2^27, GPU time, one
-# process, 4 / 8 / 16 / 32 slots (perf-notes v28, ring-ab.txt), bf16 at N = 131072 / 262144:
-# - forward LayerNorm 0.880 / 0.886 with 4 (0.862-0.873 with more), RMSNorm 0.941 / 0.939 (0.927-0.938);
-#   add_layer_norm 0.872 / 0.875 with 4, 0.918 / 0.920 with 32; add_rms_norm 0.926 / 0.919 with 4,
-#   0.956 / 0.951 with 32.
-# - backward with 32 as good or better for every kind (LayerNorm fp16 0.845 / 0.862 with 4, 0.873 /
-#   0.872 with 32; RMSNorm 65536 0.915 / 0.935; add_layer_norm 0.836 / 0.855 -> 0.883 / 0.879).
-# Why more slots help some kinds and not others is not diagnosed (each setting's results bitwise
-# equal across slots); the slots cost only their zeroing by a group's last program.
-# - softmax / log_softmax (v29): 32 as good or better (8192 x 3: 0.901 / 0.919 with 32, 0.901 / 0.915
-#   with 4; 16 warps and 2 deep gain up to 0.08 with 32).
+# backward (keyed by whether it writes the residual's gradient): 4 for the LayerNorm / RMSNorm
+# forward (0.880 vs 0.862-0.873 with more), 32 for the add-norms (0.918 vs 0.872 with 4), softmax and
+# every backward; why slots matter is not diagnosed (docs/tuning-log.md T55).
 SMEM_SPLIT_RING = {"layer_norm": 4, "rms_norm": 4, "add_norm": 32, "softmax": 32}
 SMEM_SPLIT_BWD_RING = {False: 32, True: 32}
 
@@ -593,18 +500,15 @@ def _in_parts(M: int, N: int, dtype: torch.dtype, device: torch.device, setting:
 def softmax(M: int, N: int, dtype: torch.dtype, device: torch.device, smem_ok: bool = False) -> LaunchConfig:
     """Softmax / log_softmax forward: the row-norm forward's tiling (fused, rows in shared memory, in
     parts), with its own settings (``SMEM_FWD``, ``SMEM_SPLIT_FWD`` and split-row ``SPLIT_FWD``
-    "softmax", measured; perf-notes v16, v24, v29). The fused limit is the row norms' (a row of x in
+    "softmax", measured; docs/tuning-log.md T32, T35, T58). The fused limit is the row norms' (a row of x in
     registers), not measured separately for softmax."""
     return forward(M, N, dtype, device, "softmax", smem_ok)
 
 
 # Softmax backward, rows of LOOPED_SOFTMAX_BWD_N (exclusive, inclusive]: the looped kernel, its second
 # sweep re-reading the row from L1 / L2, (column tile, num_warps) keyed by (element size >= 4,
-# log_softmax). H100, M = 4096, N = 32768, fraction of copy, two readings each, against the fused /
-# split-row kernels in the same process (perf-notes v36, ab2.txt): softmax 16-bit 32768 x 16 warps
-# 0.995-0.997 vs 0.917-0.960 (16384 x 16 0.909-0.917, 8192 x 32 0.932-0.939); log_softmax 16-bit
-# 16384 x 16 1.001-1.003 vs 0.992-0.996 (32768 x 16 0.753-0.760); fp32 softmax 16384 x 32 0.970 vs
-# 0.955 (split rows; 32768 x 16 0.948, 2 registers spilled); fp32 log_softmax 16384 x 32 1.007 vs 0.956.
+# log_softmax). N = 32768: softmax 16-bit 32768 x 16 0.995-0.997 vs fused 0.917-0.960, fp32 16384 x 32
+# 0.970 vs split rows 0.955 (docs/tuning-log.md T62).
 LOOPED_SOFTMAX_BWD_N = (16384, 32768)
 LOOPED_SOFTMAX_BWD = {(False, False): (32768, 16), (False, True): (16384, 16), (True, False): (16384, 32),
                       (True, True): (16384, 32)}  # fmt: skip
@@ -615,8 +519,8 @@ def softmax_backward(M: int, N: int, dtype: torch.dtype, device: torch.device,
                      log: bool = False) -> LaunchConfig:  # fmt: skip
     """Softmax backward (``log``: log_softmax's): the looped kernel for rows of 16385-32768 in 16-bit
     and fp32 (``LOOPED_SOFTMAX_BWD``), else fused rows of y and dy up to ``FUSED_MAX_N_SOFTMAX_BWD``,
-    else split rows (0.79-0.84 of copy at N = 65536 - 262144 vs 0.56-0.59 looped, bf16; perf-notes
-    v5), else looped."""
+    else split rows (0.79-0.84 of copy at N = 65536 - 262144 vs 0.56-0.59 looped, bf16;
+    docs/tuning-log.md T63), else looped."""
     lo, hi = LOOPED_SOFTMAX_BWD_N
     if lo < N <= hi and dtype.itemsize <= 4:
         block, warps = LOOPED_SOFTMAX_BWD[(dtype.itemsize >= 4, log)]
@@ -678,10 +582,10 @@ def backward(M: int, N: int, dtype: torch.dtype, device: torch.device, is_rms: b
 
 # --- GroupNorm / BatchNorm (channels-first images, (N, C, HW) contiguous) ------------------------
 # First versions (one program per (n, g) row or per channel, 4096-element 1-D tiles) reached
-# 0.04-0.35 of copy forward and 0.03-0.23 backward (docs/benchmarks.md, v13 run; perf-notes v14).
+# 0.04-0.35 of copy forward and 0.03-0.23 backward (2026-11-21; docs/tuning-log.md T66, T67).
 # GroupNorm forward rows of L = (C / G) * HW elements up to the row norms' fused limit are held in
 # registers (one HBM read); longer rows take the row norms' split forward (co-resident programs a
-# row, ``group_norm_split_forward``; H100, measured with this change: perf-notes v22) or, where it
+# row, ``group_norm_split_forward``; docs/tuning-log.md T71) or, where it
 # cannot run (CPU, too many chunks), loop over tiles of GROUP_NORM_LOOP_BLOCK. The other image
 # kernels walk 2-D tiles [rows or channels, HW columns] of about IMAGE_TILE elements whose column
 # tile is a power of two chosen to waste at most 1 / IMAGE_MAX_WASTE of its lanes on HW's tail
@@ -696,54 +600,41 @@ IMAGE_MAX_WASTE = 8
 # (parts, C) partials are merged in a fixed order (bitwise reproducible).
 BATCH_NORM_PROGRAMS_PER_SM = 16
 # GroupNorm backward: one program per (n, g) row at this many warps (8 / 16 / 32 measured: 0.58-0.76
-# of copy at 16 on the bf16 image shapes; H100, perf-notes v14). A persistent grid of 1-4 programs
-# per SM, meant to keep each row's second walk in L2, was slower (0.20-0.63, H200).
+# of copy at 16 on the bf16 image shapes). A persistent grid of 1-4 programs per SM, meant to keep
+# each row's second walk in L2, was slower (0.20-0.63, H200) (docs/tuning-log.md T67).
 GROUP_NORM_BWD_WARPS = 16
 # Its [channels, HW] tiles may be this wide over HW (the other image kernels: IMAGE_MAX_HW_BLOCK), so
-# that groups of few channels still fill an IMAGE_TILE tile: H100, GPU time, fraction of copy
-# (perf-notes v33, gn-ab2.txt), 128x64x112x112 G = 32 (Cg = 2): [2, 2048] 0.770 / 0.772 bf16 / fp16
-# vs [2, 1024] 0.583 / 0.762; 4096 chose the same tiles there; the other image shapes keep theirs.
-# Other shapes whose tiles change, level within the noise of their few-microsecond runs: 8x64x128x128
-# G = 32 [2, 2048] 0.45-0.46 vs [2, 1024] 0.41-0.44, 32x32x64x64 G = 8 and 4x64x128x128 G = 16 [2, 2048]
-# vs [4, 1024] 0.25-0.43 / 0.30 both.
-# The row norms' shared-memory backward over weight rows was tried instead and not kept: 0.69-0.75 /
-# 0.58-0.63 / 0.74-0.76 / 0.21-0.39 on the four image shapes (L = 25088 in parts of 16384 + 8704 and
-# 12544 in 16384-value buffers fill 53-77% of them; the (programs, L) partials summed over HW).
+# that groups of few channels still fill an IMAGE_TILE tile: 128x64x112x112 G = 32 (Cg = 2) [2, 2048]
+# 0.770 vs [2, 1024] 0.583 (T68). The row norms' shared-memory backward over GroupNorm rows was tried
+# instead and not kept (0.21-0.76 on the image shapes; docs/tuning-log.md T70).
 GROUP_NORM_BWD_MAX_HW_BLOCK = 2048
 # Fused forward: at most this many warps by element size (the row norms' 32 warps for a 32768
-# tile gave 0.64-0.86 of copy on the bf16 image shapes, 8 warps 0.75-0.90; H100, perf-notes v14;
+# tile gave 0.64-0.86 of copy on the bf16 image shapes, 8 warps 0.75-0.90; docs/tuning-log.md T66;
 # fp32 / fp64 keep twice / four times the warps for the same registers per thread, unmeasured).
 GROUP_NORM_FWD_MAX_WARPS = {2: 8, 4: 16, 8: 32}
 # BatchNorm sums: 16 programs per SM over [samples, HW] tiles of 2048 elements read the statistics
 # pass at 0.45-0.70 of copy on the bf16 image shapes, the steadiest of {4, 8, 16} x {2048, 4096,
-# 8192} (0.31-0.75; H100, perf-notes v14). The apply kernel reads 0.88-0.98 at any tile of 2048-16384.
+# 8192} (0.31-0.75; docs/tuning-log.md T72). The apply kernel reads 0.88-0.98 at any tile of 2048-16384.
 BATCH_NORM_SUMS_TILE = 2048
 # Channels a tile of the sums kernels for HW = 1 ((N, C) inputs, channels-last ones read as (N * HW,
 # C, 1)): 128 bytes of bf16 a tile row. Not measured yet (issue 41: chosen so a warp's load is
-# contiguous; the [samples, 1] tiles before it read one value a 32-byte sector).
+# contiguous; the [samples, 1] tiles before it read one value a 32-byte sector;
+# docs/tuning-log.md T77).
 BATCH_NORM_SUMS_CHANNELS = 64
 MERGE_BLOCK = 128  # channels per program of the partial-statistics merge
 # GroupNorm backward: fp32 rows longer than this go through the row norms' split backward
 # (``SPLIT_BWD``; co-resident programs share a row, x and dy read once) instead of one program per
-# row reading it twice. H100, GPU time only, fraction of copy, one program per row vs split (.dbg
-# sweep, perf-notes v16), image shapes 128x256x56x56 / 256x512x28x28 / 128x64x112x112 /
-# 32x256x56x56 (L = 25088 / 12544 / 25088 / 25088, G = 32): fp32 0.60 / 0.63 / 0.60 / 0.57 vs
-# 0.82 / 0.81 / 0.83 / 0.71; bf16 0.74 / 0.79 / 0.59 / 0.64 vs 0.54 / 0.53 / 0.55 / 0.44 and fp16
-# alike, so 16-bit rows keep one program per row (fp64: not measured, kept too). The limit is the
-# fp32 row norms' fused backward limit; L between it and 12544 was not measured.
+# row reading it twice: fp32 0.57-0.63 -> 0.71-0.83 on the image shapes; 16-bit split rows were
+# slower (0.44-0.55 vs 0.59-0.79), so 16-bit (and fp64, not measured) keeps one program a row
+# (docs/tuning-log.md T69). L between 8192 and 12544 was not measured.
 GROUP_NORM_SPLIT_MIN_L = {4: 8192}
 # BatchNorm split channels (coop.py applied to channels, batch_norm.py): the K programs of a
 # channel each take a chunk of its N * HW values (runs of whole samples' HW columns) and meet at a
 # per-channel barrier, so the training forward reads x from HBM once (chunk re-read from L2 after
 # the barrier) instead of twice, and the backward x and dy once (held in registers). Keyed by
 # (backward, element size >= 4 bytes): (chunk elements, num_warps, register cap, most chunks,
-# pipelined: the next channel's chunk published before this channel's wait). H100, GPU time only,
-# fraction of copy on 128x256x56x56 / 256x512x28x28 / 128x64x112x112 / 32x256x56x56, chosen
-# setting vs the two-pass kernels in the same run (.dbg sweeps of 6-7 settings; perf-notes v17):
-#   forward bf16 8192 x 8 warps at 64, pipelined: 0.63 / 0.62 / 0.65 / 0.58 vs 0.59 / 0.56 / 0.59 / 0.50
-#   forward fp32 4096 x 8 at 64, pipelined:       0.66 / 0.64 / 0.67 / 0.63 vs 0.62 / 0.59 / 0.62 / 0.55
-#   backward bf16 4096 x 4 at 128, pipelined:     0.64-0.67 / 0.64 / 0.56-0.61 / 0.63-0.64 vs 0.46-0.57
-#   backward fp32 8192 x 8 at 128:                0.77 / 0.83 / 0.59 / 0.82 vs 0.54-0.59
+# pipelined: the next channel's chunk published before this channel's wait). Forward 0.58-0.67 vs
+# the two-pass kernels' 0.49-0.62, backward fp32 0.77-0.83 vs 0.54-0.59 (docs/tuning-log.md T73).
 # Channels of fewer than BATCH_NORM_SPLIT_MIN_HW values per sample keep the two-pass kernels (not
 # measured on split channels; a chunk's runs would be that short).
 BATCH_NORM_SPLIT = {
@@ -813,18 +704,10 @@ def group_norm_backward(rows: int, Cg: int, HW: int, dtype: torch.dtype) -> Imag
 # GroupNorm backward with each (n, g) row held in shared memory (group_norm._bwd_smem_kernel: x and
 # dy stream through one program's shared memory, read from HBM once; per-channel sums from [runs of
 # 8, channels] registers, reduced once a row with lanes across the channels), for 16-bit rows with
-# HW a multiple of 8, x and dy 16-byte aligned: (chunk values, num_warps). H100, GPU time of the
-# backend's backward, fraction of bench.copy_gbps, bf16 / fp16, against the one-program-per-row
-# kernel in the same process (perf-notes v34, gn-smem-ab2.txt / gn-smem-ab3.txt), G = 32:
-# - 128x256x56x56 (Cg 8, L 25088): 2048 x 8 0.828-0.833 / 0.846-0.849 vs 0.737 / 0.744-0.748;
-#   128x64x112x112 (Cg 2, L 25088): 0.874-0.878 / 0.869-0.879 vs 0.771-0.775 / 0.774-0.777;
-#   64x512x56x56 (Cg 16, L 50176): 0.836-0.839 / 0.815-0.842 vs 0.552. 4096 x 8 0.79 / 0.81, 0.876 /
-#   0.877; 2048 x 4 0.71 / 0.74, 0.78 / 0.80, 0.15-0.17 (25 chunks); 4096 x 16 0.765 / 0.79 (first
-#   version's reduction); two rows deep (SPARE = CHUNKS) level within 0.01 on every shape.
-# - Not taken (GROUP_NORM_SMEM_MAX_CG, _MIN_L, _MIN_ROWS): rows of 12544, 256x512x28x28 (Cg 16)
-#   0.61-0.64 vs 0.79-0.85 and 128x128x56x56 (Cg 4) 0.66-0.73 vs 0.71-0.72; 32x256x56x56 (8 rows a
-#   program) 0.45-0.68 vs 0.57-0.64; L = 3136 / 4096 / 6272 (128x32x56x56, 64x128x32x32,
-#   64x256x28x28) 0.19-0.44 vs 0.22-0.50. Cg 32 (the kernel's [runs, 32] sums) is not measured.
+# HW a multiple of 8, x and dy 16-byte aligned: (chunk values, num_warps). 128x256x56x56 (Cg 8, L
+# 25088) 0.83-0.85 vs 0.74 one program a row; rows of 12544 lose (0.61-0.64 vs 0.79-0.85: _MIN_L),
+# as 8 rows a program do (0.45-0.68 vs 0.57-0.64: _MIN_ROWS); Cg 32 is not measured (_MAX_CG)
+# (docs/tuning-log.md T70).
 GROUP_NORM_SMEM_BWD = (2048, 8)
 GROUP_NORM_SMEM_MAX_CG = 16
 GROUP_NORM_SMEM_MIN_L = 16384
@@ -861,10 +744,9 @@ def group_norm_split_forward(rows: int, L: int, G: int, dtype: torch.dtype, devi
     ``split_row`` finds no split (more chunks than programs that fit at once) or fewer than G row groups
     fit (row groups a multiple of G, as in the backward).
 
-    H100, GPU time only, split vs looped (docs/bench/h100-2026-11-22-v22-gn/split-gpu.txt; 8x512x64x64,
-    32x512x64x64, 16x256x128x128, G = 32): without weight / bias bf16 0.61 / 0.77 / 0.76 vs 0.46 /
-    0.63 / 0.61, fp32 0.72 / 0.84 vs 0.59 / 0.64; with both, bf16 0.45 / 0.62 / 0.51 vs 0.35 / 0.52
-    / 0.54, fp32 0.42 / 0.50 vs 0.53 / 0.64 (the per-row weight rows, gathered per element)."""
+    Split vs looped (G = 32, L = 65536-131072): without weight / bias 0.61-0.84 vs 0.46-0.64; fp32
+    with both 0.42-0.50 vs 0.53-0.64 (the per-row weight rows, gathered per element;
+    docs/tuning-log.md T71)."""
     if affine and dtype.itemsize >= 4:
         return None
     return _group_aligned(split_row(rows, L, dtype, device, *SPLIT_FWD[dtype.itemsize >= 4, "layer_norm"]), G)
@@ -942,19 +824,9 @@ def batch_norm_split(N: int, C: int, HW: int, dtype: torch.dtype, device: torch.
 # BATCH_NORM_SMEM_IDLE of the SMs idle (groups x K of them busy) and fill BATCH_NORM_SMEM_FILL of
 # their buffers (a program's time a step is its buffers', not its values') is taken, else the first
 # that keeps the SMs busy, else the one that leaves the fewest idle; settings past the first serve
-# GPUs with less shared memory (8192 x 4 two deep is not measured: on the H100 the first always fits;
-# none of the four shapes below changes setting by the fill rule). No weight is held, so parts
-# may be wider than the row norms'. H100, training forward with running statistics, GPU time, fraction
-# of bench.copy_gbps on 128x256x56x56 / 256x512x28x28 / 128x64x112x112 / 32x256x56x56, bf16 (perf-notes
-# v32, bn-ab*.txt), against split channels (0.621 / 0.604 / 0.637 / 0.551):
-# - 8192 x 6, 2 deep (49152 values a part): 0.828 / 0.800 / 0.857 / 0.645; fp32 4096 x 6: 0.899 / 0.874 /
-#   0.903 / 0.803 (split channels 0.636 / 0.621 / 0.599 / 0.618).
-# - 8192 x 4, 3 deep: 0.832 / 0.783 / 0.788 / 0.618; 16384 x 2, 3 deep 0.826 / 0.782 / 0.796 / 0.612;
-#   8192 x 3, 3 deep 0.823 / 0.773 / 0.795 / 0.614; 8192 x 2, 3 deep 0.777 / 0.736 / 0.630 / 0.60;
-#   4096 x 3, 3 deep 0.640 / 0.658 / 0.629 / 0.541; 16 warps 0.01-0.07 below 8.
-# Wider parts read better: fewer channel steps, each one's fixed cost (reductions, exchange) over more
-# bytes. 4096 x 9 / 4096 x 8 (v33, bn-ab-fwd.txt): 0.805 / 0.785 / 0.813 / 0.646 and 0.793 / 0.737 /
-# 0.700 / 0.618, below 8192 x 6 in the same process (0.812 / 0.798 / 0.858 / 0.657).
+# GPUs with less shared memory (not measured). No weight is held, so parts may be wider than the row
+# norms'. 8192 x 6, 2 deep: 0.80-0.86 on the large image shapes vs split channels 0.60-0.64 (fp32
+# 4096 x 6: 0.87-0.90); narrower parts read lower (8192 x 3: 0.77-0.82) (docs/tuning-log.md T74).
 BATCH_NORM_SMEM = {
     2: ((8192, 6, 8, 2), (8192, 4, 8, 2), (8192, 2, 8, 3)),
     4: ((4096, 6, 8, 2), (4096, 4, 8, 2), (4096, 2, 8, 3)),
@@ -964,19 +836,10 @@ BATCH_NORM_SMEM_FILL = 0.9
 BATCH_NORM_SMEM_RING = 32
 # The backward in parts (batch_norm._bwd_smem_split_kernel: x and dy streamed together, two tensors'
 # buffers a part, taken where x and dy are 16-byte aligned): settings as BATCH_NORM_SMEM's, chosen
-# alike. H100, batch_norm_bwd (training), GPU time, fraction of bench.copy_gbps (x, dy read, dx
-# written) on the four shapes above, bf16 / fp16 (perf-notes v33, bnb-ab*.txt), against split
-# channels (0.665 / 0.638 / 0.61 / 0.615, fp16 0.77 / 0.77 / 0.70 / 0.60-0.73):
-# - 8192 x 3, 2 deep (K 17 / 9 / 66 / 5): 0.883 / 0.860 / 0.865 / 0.732, fp16 0.880 / 0.869 / 0.859 /
-#   0.68-0.75. Its parts fill 82% of their buffers on 32x256x56x56 (20080 values in 24576), where 4096
-#   x 5 (98%) reads 0.751-0.760 (both fp16 and bf16): the fill rule takes it there (0.754-0.757).
-#   4096 x 5 elsewhere: 0.854 / 0.862 / 0.630 (79 parts, one channel group).
-# - Others, bf16: 8192 x 2 0.855 / 0.834 / 0.737 / 0.711; 4096 x 4 0.842 / 0.819 / 0.718 / 0.698; 4096 x
-#   6 0.879 / 0.844 / 0.860 / 0.748; 4096 x 7 0.872 / 0.851 / 0.865 / 0.693; 16384 x 1, 3 deep 0.859 /
-#   0.838 / 0.742 / 0.722; 8192 x 2, 3 deep 0.849 / 0.828 / 0.749 / 0.700.
-# - fp32: 2048 x 7, 2 deep (no spare buffer): 0.919 / 0.917 / 0.877 / 0.847; 4096 x 3 0.910 / 0.904 /
-#   0.875 / 0.841; 2048 x 5 0.885 / 0.885 / - / 0.852; split channels 0.775 / 0.825 / 0.587 / 0.804.
-# Settings past the second serve GPUs with less shared memory (not measured).
+# alike. 8192 x 3, 2 deep: 0.86-0.88 on the large image shapes vs split channels 0.60-0.67 (fp32 2048 x
+# 7: 0.88-0.92); on 32x256x56x56 its parts fill 82% of their buffers and 4096 x 5 (98%) reads
+# 0.754-0.757 vs 0.732: the fill rule (docs/tuning-log.md T75). Settings past the second serve GPUs
+# with less shared memory (not measured).
 BATCH_NORM_SMEM_BWD = {
     2: ((8192, 3, 8, 2), (4096, 5, 8, 2), (8192, 2, 8, 2), (4096, 2, 8, 3)),
     4: ((2048, 7, 8, 2), (4096, 3, 8, 2), (4096, 2, 8, 2), (2048, 2, 8, 3)),

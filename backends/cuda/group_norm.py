@@ -9,11 +9,12 @@ chunks) are walked twice by one program (Chan merging of tiles, ``backends/commo
 the per-channel sums of dy * xhat and dy of a row are the dweight / dbias partials of that sample
 ((N, C) buffers, summed over N in a fixed order) and, weighted by w_c, the row's two dx terms. Long
 16-bit rows of few channels are held in shared memory by a persistent program (Gluon,
-``_bwd_smem_kernel``, ``config.group_norm_smem_backward``: x and dy read from HBM once, perf-notes
-v34); long fp32 rows go through the row norms' split backward kernel (``layer_norm._bwd_split_kernel``:
-co-resident programs share a row and read it once; ``config.group_norm_split_backward``); other rows
+``_bwd_smem_kernel``, ``config.group_norm_smem_backward``: x and dy read from HBM once,
+docs/tuning-log.md T70); long fp32 rows go through the row norms' split backward kernel
+(``layer_norm._bwd_split_kernel``: co-resident programs share a row and read it once;
+``config.group_norm_split_backward``, T69); other rows
 are walked twice by one program per row in [channels, HW] tiles (sums, then dx; the second walk
-mostly from L2 for short rows, from HBM for rows of 100 KB: perf-notes v14).
+mostly from L2 for short rows, from HBM for rows of 100 KB: docs/tuning-log.md T67).
 """
 
 from __future__ import annotations
@@ -238,7 +239,7 @@ def _bwd_kernel(
     inv_l = reciprocal(Cg * HW, ACC)
     c1_row = tl.sum(c1, axis=0) * inv_l
     c2_row = tl.sum(c2, axis=0) * inv_l
-    for cs in range(0, Cg, CB):  # second walk (mostly from HBM at 100 KB rows: perf-notes v14)
+    for cs in range(0, Cg, CB):  # second walk (mostly from HBM at 100 KB rows: docs/tuning-log.md T67)
         ch = cs + ci
         ch_mask = ch < Cg
         if HAS_W:
@@ -547,7 +548,7 @@ def _bwd_smem_meta(cfg, Cg, has_w, has_db) -> dict:
 def _rows_of(t, HW):
     """(C,) per-channel values each repeated HW times, (C * HW,) contiguous: the split kernels' weight
     rows. One copy of an expanded view (``repeat_interleave``, several launches, took ~40 us of a
-    ~250 us fp32 backward call's host time in cProfile on the H100's host: perf-notes v34)."""
+    ~250 us fp32 backward call's host time in cProfile on the H100's host: docs/tuning-log.md T21)."""
     return t.view(-1, 1).expand(t.numel(), HW).reshape(-1)
 
 

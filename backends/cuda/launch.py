@@ -3,7 +3,7 @@ compiled (and launched) it for the same specialization.
 
 ``fn[grid](*args, **meta)`` costs ~31-34 us of host time on the H100 machine's host, most of it
 Triton's Python: binding and specializing every argument, the cache key string, launch metadata
-(docs/perf-notes.md v13). The backward of a row norm makes 2-3 launches; in ``normkit bench`` that
+(docs/tuning-log.md T11). The backward of a row norm makes 2-3 launches; in ``normkit bench`` that
 host time showed up as GPU idle time in the backward cells. :func:`launch` keys Triton's own
 ``CompiledKernel`` by what Triton specializes a kernel on, and calls its launcher directly:
 
@@ -19,7 +19,7 @@ Triton's launch hooks (profilers) are called with the same metadata as ``fn[grid
 an empty hook chain (Triton's default) is skipped.
 
 Building that key from every argument costs ~4 us of the ~16 us a launch takes on the H100 host
-(docs/perf-notes.md v19). The hot call sites pass ``key=``: a tuple they build from what they know
+(docs/tuning-log.md T13). The hot call sites pass ``key=``: a tuple they build from what they know
 decides the specialization (shape, strides, dtypes, alignment of the tensors they did not allocate
 themselves), ~1 us. :data:`CHECK_KEYS` (on in the GPU test suite) makes every keyed launch also build
 the full key and fail if the two disagree, so a call-site key that misses an argument is a test

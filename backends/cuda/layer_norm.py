@@ -95,7 +95,8 @@ def _fwd_fused_kernel(
     ONE_READ: tl.constexpr = False,  # LayerNorm's moments in one reduction (config.one_read_moments)
 ):
     # ROWS == 1: the row is a 1-D tile, its statistics scalars and no row mask (grid = M). The
-    # [1, BLOCK_N] form, or a row mask, spills under ptxas at 32768 fp32 (12-24 bytes; perf-notes v37).
+    # [1, BLOCK_N] form, or a row mask, spills under ptxas at 32768 fp32 (12-24 bytes;
+    # docs/tuning-log.md T27).
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
     if ROWS == 1:
@@ -108,7 +109,7 @@ def _fwd_fused_kernel(
         mask = row_mask[:, None] & col_mask
     rows64 = rows.to(tl.int64)
     # evict_last on x, the weight and the bias (each read once a program): +0.003-0.01 of copy at
-    # N = 1024-16384, fp32 LayerNorm 32768 0.939 against 0.924 (H100, perf-notes v36); not with
+    # N = 1024-16384, fp32 LayerNorm 32768 0.939 against 0.924 (H100, docs/tuning-log.md T28); not with
     # ONE_READ, where it read 0.924-0.929 against 0.938-0.946 (16-bit LayerNorm 32768). Why a hint
     # on a streamed read helps is not established.
     evict: tl.constexpr = "" if ONE_READ else "evict_last"
@@ -130,7 +131,7 @@ def _fwd_fused_kernel(
         xs = tl.where(mask, x - as_col(shift, ROWS), 0.0)
         if ONE_READ:
             # One cross-warp reduction for both moments of x - shift (a whole row a program: its
-            # barriers are what it waits on, perf-notes v35), var = E[xs^2] - E[xs]^2. That
+            # barriers are what it waits on, docs/tuning-log.md T29), var = E[xs^2] - E[xs]^2. That
             # difference loses ~ E[xs^2] / var ulps, so where E[xs^2] > VAR_RATIO * var (the shift
             # an outlier: |x[row, 0] - mean| > 2.6 std) the variance is taken again about the mean.
             # Scalars (the one row's): the test is a branch, not another reduction.
@@ -158,7 +159,7 @@ def _fwd_fused_kernel(
         y = x * as_col(rstd, ROWS)
     else:
         # From x again, not from xc (the same values): ptxas keeps x and fits 64 registers a
-        # thread where holding xc spilled 12 bytes (32768 fp32, 32 warps; perf-notes v37).
+        # thread where holding xc spilled 12 bytes (32768 fp32, 32 warps; docs/tuning-log.md T27).
         y = (x - as_col(shift, ROWS) - as_col(mean, ROWS)) * as_col(rstd, ROWS)
     if HAS_W:
         y = y * tl.load(W + cols, mask=col_mask, other=0.0, eviction_policy=evict).to(ACC)
@@ -365,7 +366,7 @@ def _fwd_split_kernel(
     # before this row's reductions, so its loads are in flight through them, the barrier and the
     # stores. Otherwise the chunk is read again from L2 after the barrier, which needs fewer
     # registers. Publishing the next row's partials before this row's wait, as the backward does,
-    # was level or slower here (perf-notes v15).
+    # was level or slower here (docs/tuning-log.md T33).
     if PREFETCH:
         x_next, r_next = _fwd_split_load(X, R, pid // K, stride_x, stride_r, cols, mask, M, ADD, HAS_R)
     for row in range(pid // K, M, groups):
@@ -812,7 +813,7 @@ def _bwd_fused_kernel(
 ):
     if SAME_STRIDE:
         # One offset for every tensor's element: five runtime strides (five 64-bit offsets a row)
-        # read fp32 RMSNorm 1024 0.92 of copy against 0.98 (H100, perf-notes v37).
+        # read fp32 RMSNorm 1024 0.92 of copy against 0.98 (H100, docs/tuning-log.md T45).
         stride_dy = stride_x
         stride_dh = stride_x
         stride_dx = stride_x

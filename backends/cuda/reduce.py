@@ -3,7 +3,7 @@
 Backward kernels write one fp32 row of partial sums per program (no atomics); this kernel adds
 those rows in program order, so the result is bitwise identical run to run. dweight's and dbias's
 partials live in one (K, G, N) buffer and are summed by one launch (one launch less per backward:
-~35 us of host time on the H100 host, docs/perf-notes.md v13).
+~35 us of host time on the H100 host, docs/tuning-log.md T10).
 """
 
 from __future__ import annotations

@@ -11,12 +11,12 @@ taken over the buffers as each chunk lands; the output pass reads each chunk bac
 to the stream's next copy at once, then computes and stores. The next row's loads (with a spare
 buffer, also the first chunk of the row after it) are therefore in flight through this row's
 statistics and output, with no barrier between programs and no re-read from L2
-(docs/perf-notes.md v23, v24). The row-norm backward streams x and dy the same way, as a pair
+(docs/tuning-log.md T34-T37). The row-norm backward streams x and dy the same way, as a pair
 (:func:`open_pair`: one copy group a chunk of both), and keeps its dweight / dbias partials in
-registers (perf-notes v25). Rows longer than that can be shared by K programs (``config.IN_PARTS``, off:
-they wait on each other unbounded, coop.py), one part
+registers (T48). Rows longer than that can be shared by K programs (``config.IN_PARTS``, off:
+they wait on each other unbounded, coop.py; T51), one part
 each, that exchange their parts' row terms as tagged words (:func:`publish`, :func:`collect`;
-:func:`open_parts` streams a part several rows deep; perf-notes v26, v27).
+:func:`open_parts` streams a part several rows deep; T52-T58).
 
 Plain Triton cannot place a tensor in shared memory, so these kernels are written in Gluon
 (``triton.experimental.gluon``), Triton's lower-level dialect. Gluon's API is still changing: the
@@ -178,7 +178,7 @@ def next_base(base, CHUNKS: gl.constexpr, SPARE: gl.constexpr):
 # each; a part's row terms (partial sums) are exchanged through an int64 workspace, each term in its
 # own word with the row's tag (row + 1) in the high half (:func:`publish`). One load of the K words
 # both finds them written and reads them (:func:`gather`), where a counter barrier needs an acquire
-# poll and then the loads (perf-notes v26). Every program of a row sums the same K words in the same
+# poll and then the loads (docs/tuning-log.md T52). Every program of a row sums the same K words in the same
 # order, so they agree bitwise.
 #
 # The words of row ``row`` of a row group lie in slot (row // groups) % RING of the group's RING
@@ -187,7 +187,7 @@ def next_base(base, CHUNKS: gl.constexpr, SPARE: gl.constexpr):
 # (its publish of the row before this program's last gathered one came after its gather of the row
 # three steps back): RING >= MIN_RING slots never overwrite a word still to be read, and a word of
 # another row, tagged so, is never taken. How many slots is the config's (``LaunchConfig.ring``,
-# measured per kind: more slots than the minimum read faster for some, perf-notes v28). The
+# measured per kind: more slots than the minimum read faster for some, docs/tuning-log.md T55). The
 # workspace is kept per device and stream (:func:`terms_workspace`) and comes zeroed to every
 # launch: the last of a row group's programs to finish zeroes the group's words (:func:`release`),
 # so no launch of its own zeroes it.
@@ -224,7 +224,7 @@ def collect(words, Terms, K, KP: gl.constexpr, layout: gl.constexpr, tag):
     row's tag (smaller) or 0, never a later one (:func:`row_terms`), so the least tag decides. The
     tags are reduced as loaded and compared after: a per-word compare is hoisted by ptxas next to
     the load (to free its registers), where it waits out the load's L2 round trip that the
-    request had started early to hide (LayerNorm 0.77 against 0.87, perf-notes v28)."""
+    request had started early to hide (LayerNorm 0.77 against 0.87, docs/tuning-log.md T54)."""
     while gl.min((words >> 32).to(gl.int32), axis=0) != tag:
         words = request(Terms, K, KP, layout, tag)
     return words.to(gl.int32).to(gl.float32, bitcast=True)

@@ -47,7 +47,7 @@ def _fwd_fused_kernel(
         mask = (rows < M)[:, None] & (cols < N)
     rows64 = rows.to(tl.int64)
     # evict_last (as the row norms' fused forward): rows of 32768 read 0.934-0.943 of copy against
-    # 0.919-0.938 without it (16-bit), 0.995 against 0.979 (fp32) (H100, perf-notes v36).
+    # 0.919-0.938 without it (16-bit), 0.995 against 0.979 (fp32) (H100, docs/tuning-log.md T28).
     x = tl.load(X + as_col(rows64 * stride_x, ROWS) + cols, mask=mask, other=float("-inf"),
                 eviction_policy="evict_last").to(ACC)  # fmt: skip
     xm = x - as_col(tl.max(x, axis=-1), ROWS)
@@ -413,7 +413,7 @@ def _bwd_looped_kernel(
     # they are still in L1 / L2 (16-bit log_softmax, 16384-column tiles at N = 32768: 1.00 of copy,
     # 0.88 in order). A row of one tile keeps the plain order (32768: 0.997 against 0.757).
     # Rows of 16385-32768 (config.LOOPED_SOFTMAX_BWD) read 0.97-1.01 of copy against 0.92-0.96
-    # for the fused and split-row kernels (H100, perf-notes v36).
+    # for the fused and split-row kernels (H100, docs/tuning-log.md T62).
     row = tl.cast(tl.program_id(0), tl.int64)
     cols = tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_N], ACC)

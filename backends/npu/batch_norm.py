@@ -31,7 +31,7 @@ def _stats_kernel(
     HW,
     BLOCK_SIZE: tl.constexpr,  # 1024
 ):
-    # UB: one x tile -> 4 KB.
+    # UB (planned by bishengir-compile, ci/npu_stage2.py, 2026-11-26): up to 32.5 KB.
     for c in range(tl.program_id(0), C, tl.num_programs(0)):
         batch_norm_channel_stats(X, Mean, Var, c, N, C, HW, BLOCK_SIZE, tl.float32)
 
@@ -51,7 +51,7 @@ def _apply_kernel(
     HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
 ):
-    # UB: x and y tiles -> 8 KB.
+    # UB (planned by bishengir-compile, ci/npu_stage2.py, 2026-11-26): up to 12.0 KB.
     for row in range(tl.program_id(0), R, tl.num_programs(0)):
         batch_norm_row_apply(X, Y, W, B, Mean, Rstd, row, C, HW, BLOCK_SIZE, HAS_W, HAS_B, tl.float32)
 
@@ -69,7 +69,7 @@ def _grad_sums_kernel(
     HW,
     BLOCK_SIZE: tl.constexpr,
 ):
-    # UB: x and dy tiles -> 8 KB.
+    # UB (planned by bishengir-compile, ci/npu_stage2.py, 2026-11-26): up to 36.2 KB.
     for c in range(tl.program_id(0), C, tl.num_programs(0)):
         batch_norm_channel_grad_sums(X, DY, Mean, Rstd, Sum_dy, Sum_dy_xhat, c, N, C, HW, BLOCK_SIZE,
                                      tl.float32)  # fmt: skip
@@ -93,7 +93,7 @@ def _dx_kernel(
     HAS_W: tl.constexpr,
     TRAINING: tl.constexpr,
 ):
-    # UB: x, dy, dx tiles -> 12 KB.
+    # UB (planned by bishengir-compile, ci/npu_stage2.py, 2026-11-26): up to 20.0 KB.
     for row in range(tl.program_id(0), R, tl.num_programs(0)):
         batch_norm_row_dx(X, DY, DX, W, Mean, Rstd, Sum_dy, Sum_dy_xhat, row, C, HW, inv_count,
                           BLOCK_SIZE, HAS_W, TRAINING, tl.float32)  # fmt: skip

@@ -38,7 +38,8 @@ def _fwd_kernel(
     HAS_B: tl.constexpr,
     CL: tl.constexpr,  # X / Y channels-last: memory (N, HW, C)
 ):
-    # UB: x, w, b tiles -> 3 x 4 KB = 12 KB.
+    # UB (planned by bishengir-compile, ci/npu_stage2.py, 2026-11-26): up to 64.8 KB; 2 scalar loops
+    # per tile (the per-element weight / bias gather).
     for row in range(tl.program_id(0), R, tl.num_programs(0)):
         group_norm_row_fwd(X, Y, W, B, Mean, Rstd, row, G, C, L, HW, Cg, inv_l, eps, BLOCK_SIZE, HAS_W,
                            HAS_B, tl.float32, CL)  # fmt: skip
@@ -66,7 +67,7 @@ def _bwd_kernel(
     HAS_DB: tl.constexpr,
     CL: tl.constexpr,  # X / DY / DX channels-last: memory (N, HW, C)
 ):
-    # UB: x, dy, dx tiles -> 3 x 4 KB = 12 KB.
+    # UB (planned by bishengir-compile, ci/npu_stage2.py, 2026-11-26): up to 56.2 KB.
     for row in range(tl.program_id(0), R, tl.num_programs(0)):
         group_norm_row_bwd(X, DY, DX, W, Mean, Rstd, DW_part, DB_part, row, G, C, L, HW, Cg, inv_l,
                            BLOCK_SIZE, HAS_W, HAS_DB, tl.float32, CL)  # fmt: skip

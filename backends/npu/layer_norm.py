@@ -60,7 +60,8 @@ def _fwd_kernel(
     HAS_R: tl.constexpr,
     DROPOUT: tl.constexpr,
 ):
-    # UB: x, residual, w, b tiles live in sweep 2 -> 4 x 1024 x 4 B = 16 KB (budget 96 KB).
+    # UB as planned by bishengir-compile (ci/npu_stage2.py, 2026-11-26): up to 96.8 KB without dropout
+    # (add-norm, weight and bias), 188.2 KB with dropout, whose tl.rand runs as 32 scalar loops a tile.
     cols = tl.arange(0, BLOCK_SIZE)
     for row in range(tl.program_id(0), M, tl.num_programs(0)):
         row64 = tl.cast(row, tl.int64)
@@ -130,7 +131,7 @@ def _bwd_row_terms_kernel(
     IS_RMS: tl.constexpr,
     HAS_W: tl.constexpr,
 ):
-    # UB: x, dy, w tiles -> 3 x 4 KB = 12 KB.
+    # UB (planned by bishengir-compile, ci/npu_stage2.py, 2026-11-26): up to 44.3 KB.
     cols = tl.arange(0, BLOCK_SIZE)
     for row in range(tl.program_id(0), M, tl.num_programs(0)):
         x_row = X + tl.cast(row, tl.int64) * stride_x
@@ -190,7 +191,8 @@ def _bwd_dx_kernel(
     HAS_DRES: tl.constexpr,
     DROPOUT: tl.constexpr,
 ):
-    # UB: x, dy, w, dx, dh, dw, db tiles -> 7 x 4 KB = 28 KB.
+    # UB as planned by bishengir-compile (ci/npu_stage2.py, 2026-11-26): up to 184.0 KB (with dropout,
+    # whose tl.rand runs as 16 scalar loops a tile).
     tiles = tl.cdiv(N, BLOCK_SIZE)
     for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
         chunk = item // tiles

@@ -17,7 +17,8 @@ def _sum_partials_kernel(
     N,
     BLOCK_SIZE: tl.constexpr,
 ):
-    # UB: one accumulator + one loaded tile -> 8 KB. Rows are added in order 0..G-1.
+    # UB (planned by bishengir-compile, ci/npu_stage2.py, 2026-11-26): up to 18.0 KB.
+    # Rows are added in order 0..G-1.
     for tile in range(tl.program_id(0), tl.cdiv(N, BLOCK_SIZE), tl.num_programs(0)):
         cols = tile * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
         mask = cols < N

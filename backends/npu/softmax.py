@@ -26,7 +26,7 @@ def _fwd_kernel(
     BLOCK_SIZE: tl.constexpr,  # column tile (1024)
     LOG: tl.constexpr,  # log_softmax
 ):
-    # UB: one x tile plus its exp -> 2 x 4 KB = 8 KB.
+    # UB (planned by bishengir-compile, ci/npu_stage2.py, 2026-11-26): up to 22.7 KB.
     cols = tl.arange(0, BLOCK_SIZE)
     for row in range(tl.program_id(0), M, tl.num_programs(0)):
         x_row = X + tl.cast(row, tl.int64) * stride_x
@@ -61,7 +61,7 @@ def _bwd_kernel(
     BLOCK_SIZE: tl.constexpr,
     LOG: tl.constexpr,
 ):
-    # UB: dy, y, dx tiles -> 3 x 4 KB = 12 KB.
+    # UB (planned by bishengir-compile, ci/npu_stage2.py, 2026-11-26): up to 38.0 KB.
     cols = tl.arange(0, BLOCK_SIZE)
     for row in range(tl.program_id(0), M, tl.num_programs(0)):
         row64 = tl.cast(row, tl.int64)

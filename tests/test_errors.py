@@ -444,3 +444,26 @@ def test_normalized_shape_of_wrong_type(shape):
     assert "normalized_shape" in str(info.value)
     with pytest.raises(TypeError):
         F.layer_norm(torch.randn(3, 8), shape)
+
+
+def test_npu_vector_core_query_failure_is_an_error_on_an_npu(monkeypatch):
+    """On an NPU a failed vector-core query raises, naming the fix, instead of guessing a grid;
+    NORMKIT_NPU_VECTOR_CORES overrides; elsewhere (the NPU kernels on the GPU) the fallback stays."""
+    import triton
+
+    from normkit.backends.npu import config
+
+    class Broken:
+        def get_device_properties(self, index):
+            raise KeyError("num_vectorcore")
+
+    class Driver:
+        utils = Broken()
+
+    monkeypatch.setattr(type(triton.runtime.driver), "active", property(lambda self: Driver()))
+    monkeypatch.delenv("NORMKIT_NPU_VECTOR_CORES", raising=False)
+    with pytest.raises(RuntimeError, match=r"npu:3 .*NORMKIT_NPU_VECTOR_CORES"):
+        config._query_vector_cores("npu", 3)
+    assert config._query_vector_cores("cuda", 0) == config.FALLBACK_VECTOR_CORES
+    monkeypatch.setenv("NORMKIT_NPU_VECTOR_CORES", "48")
+    assert config._query_vector_cores("npu", 3) == 48

@@ -13,6 +13,7 @@ Facts behind them (docs/backends.md has the sources):
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -22,8 +23,10 @@ import torch
 # norm kernels use, and a power of two as tl.arange requires. Longer rows loop over tiles.
 BLOCK_SIZE = 1024
 
-# Vector cores when the driver cannot be asked (older triton-ascend, or the NPU kernels running on
-# another executor): an Atlas 800 A2 with Ascend910B4 has 20 AI cores x 2 vector cores.
+# Vector cores when the NPU kernels run on another executor (the CUDA GPU in tests), where there is
+# no Ascend driver to ask: an Atlas 800 A2 with Ascend910B4 has 20 AI cores x 2 vector cores. On an
+# NPU the count is asked of the driver (910B1 / B2 and A3 have 48) and a failed query raises, unless
+# NORMKIT_NPU_VECTOR_CORES gives the count.
 FALLBACK_VECTOR_CORES = 40
 # Under the Triton interpreter (CPU tensors): a few programs, so persistent loops and the
 # multi-partial reduction are exercised while the interpreted run stays short.
@@ -39,21 +42,30 @@ class LaunchConfig:
     grid: tuple[int]
 
 
-def _query_vector_cores(index: int) -> int:
+def _query_vector_cores(device_type: str, index: int) -> int:
     import triton  # the active Triton: triton-ascend on an Ascend host
 
+    if device_type == "npu" and os.environ.get("NORMKIT_NPU_VECTOR_CORES"):
+        return int(os.environ["NORMKIT_NPU_VECTOR_CORES"])
     try:
         props = triton.runtime.driver.active.utils.get_device_properties(index)
         return int(props["num_vectorcore"])
-    except Exception:  # no such driver call or key on this Triton / device
-        return FALLBACK_VECTOR_CORES
+    except Exception as e:  # no such driver call or key on this Triton / device
+        if device_type != "npu":
+            return FALLBACK_VECTOR_CORES
+        raise RuntimeError(
+            f"normkit: the Triton driver (triton {triton.__version__}) did not report the vector cores of "
+            f"npu:{index} ({type(e).__name__}: {e}); the NPU kernels size their grid by it (Ascend910B4: "
+            "40, 910B1 / B2 and A3: 48). Use a triton-ascend whose driver reports num_vectorcore, or set "
+            "NORMKIT_NPU_VECTOR_CORES to the count."
+        ) from e
 
 
 @functools.lru_cache(maxsize=64)
 def _vector_cores(device_type: str, index: int | None) -> int:
     if device_type == "cpu":
         return INTERPRETER_CORES
-    return _query_vector_cores(index)
+    return _query_vector_cores(device_type, index)
 
 
 def vector_cores(device: torch.device) -> int:

@@ -150,10 +150,13 @@ def group_norm_channel_at(row, cl, p, G, C, HW, Cg, CL: tl.constexpr):
 @triton.jit
 def group_norm_row_fwd(X, Y, W, B, Mean, Rstd, row, G, C, L, HW, Cg, inv_l, eps,
                        BLOCK: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-                       ACC: tl.constexpr, CL: tl.constexpr):  # fmt: skip
+                       ACC: tl.constexpr, CL: tl.constexpr, PER_CHANNEL: tl.constexpr):  # fmt: skip
     """Normalize row ``row`` = (n, g) of an (N, C, HW) input, contiguous or channels-last (``CL``).
     Statistics of x - (the row's first element) merged tile by tile (Chan). ``inv_l`` = 1 / L,
-    correctly rounded by the caller."""
+    correctly rounded by the caller. The output sweep walks the row's tiles and loads each element's
+    weight / bias (a gather), or with ``PER_CHANNEL`` walks it channel by channel with one weight /
+    bias per channel, as the backward does: Ascend's compiler turns the gather into scalar loops
+    (ci/npu_stage2.py: 2 a tile), so the NPU kernels take PER_CHANNEL."""
     cols = tl.arange(0, BLOCK)
     shift = tl.load(X + group_norm_at(row, 0, G, C, HW, Cg, CL)[0]).to(ACC)
     mean = tl.zeros((), ACC)
@@ -169,16 +172,29 @@ def group_norm_row_fwd(X, Y, W, B, Mean, Rstd, row, G, C, L, HW, Cg, inv_l, eps,
     tl.store(Mean + row, shift + mean)
     tl.store(Rstd + row, rstd)
     c0 = (row % G) * Cg
-    for start in range(0, L, BLOCK):
-        offs = start + cols
-        mask = offs < L
-        at, ch = group_norm_at(row, offs, G, C, HW, Cg, CL)
-        y = (tl.load(X + at, mask=mask, other=0.0).to(ACC) - shift - mean) * rstd
-        if HAS_W:
-            y = y * tl.load(W + c0 + ch, mask=mask, other=0.0).to(ACC)
-        if HAS_B:
-            y = y + tl.load(B + c0 + ch, mask=mask, other=0.0).to(ACC)
-        tl.store(Y + at, y.to(Y.dtype.element_ty), mask=mask)
+    if PER_CHANNEL:
+        for cl in range(0, Cg):
+            for start in range(0, HW, BLOCK):
+                offs = start + cols
+                mask = offs < HW
+                at = group_norm_channel_at(row, cl, offs, G, C, HW, Cg, CL)
+                y = (tl.load(X + at, mask=mask, other=0.0).to(ACC) - shift - mean) * rstd
+                if HAS_W:
+                    y = y * tl.load(W + c0 + cl).to(ACC)
+                if HAS_B:
+                    y = y + tl.load(B + c0 + cl).to(ACC)
+                tl.store(Y + at, y.to(Y.dtype.element_ty), mask=mask)
+    else:
+        for start in range(0, L, BLOCK):
+            offs = start + cols
+            mask = offs < L
+            at, ch = group_norm_at(row, offs, G, C, HW, Cg, CL)
+            y = (tl.load(X + at, mask=mask, other=0.0).to(ACC) - shift - mean) * rstd
+            if HAS_W:
+                y = y * tl.load(W + c0 + ch, mask=mask, other=0.0).to(ACC)
+            if HAS_B:
+                y = y + tl.load(B + c0 + ch, mask=mask, other=0.0).to(ACC)
+            tl.store(Y + at, y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -114,12 +114,14 @@ def label(variant: dict) -> str:
     return f"{'/'.join(dtypes) or 'fp32'} {' '.join(flags) or '-'}"
 
 
-def run(binary: str, manifest: Path, jobs: int, budget_kb: float, table: Path | None) -> int:
+def run(binary: str, manifest: Path, jobs: int, budget_kb: float, table: Path | None,
+        only: list[str] | None = None) -> int:
     stage1.import_normkit()
     if not manifest.is_file():
         stage1.record(manifest)
     data = json.loads(manifest.read_text())
-    tasks = [(name, v, binary) for name, vs in data["kernels"].items() for v in distinct(vs)]
+    tasks = [(name, v, binary) for name, vs in data["kernels"].items() for v in distinct(vs)
+             if not only or any(stage1.short(name).startswith(o) for o in only)]  # fmt: skip
     t0 = time.perf_counter()
     if jobs > 1:
         import multiprocessing
@@ -212,12 +214,13 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--budget-kb", type=float, default=96.0, help="UB budget per kernel (default 96 KB)")
     p.add_argument("--table", type=Path, help="write the per-kernel UB / scalar-loop table here (markdown)")
+    p.add_argument("--kernels", nargs="*", help="only kernels whose short name starts so (e.g. group_norm.)")
     p.add_argument("--selftest", action="store_true")
     a = p.parse_args(argv)
     if a.selftest:
         stage1.import_normkit()
         return selftest(a.bishengir)
-    return run(a.bishengir, a.manifest, a.jobs, a.budget_kb, a.table)
+    return run(a.bishengir, a.manifest, a.jobs, a.budget_kb, a.table, a.kernels)
 
 
 if __name__ == "__main__":

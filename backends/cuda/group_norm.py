@@ -107,7 +107,7 @@ def _fwd_looped_kernel(
 ):
     group_norm_row_fwd(X, Y, W, B, Mean, Rstd, tl.program_id(0), G, C, L, HW, Cg, reciprocal(L, ACC),
                        exact_eps(eps, eps_lo, ACC),
-                       BLOCK, HAS_W, HAS_B, ACC, False)  # fmt: skip
+                       BLOCK, HAS_W, HAS_B, ACC, False, False)  # fmt: skip
 
 
 @triton.jit

@@ -401,6 +401,17 @@ def _compile_task(task):
     return name, index, ok, detail, time.perf_counter() - t0
 
 
+def parallel_map(fn, tasks: list, jobs: int, chunksize: int = 1) -> list:
+    """``[fn(t) for t in tasks]`` in ``jobs`` forked processes (in this one for jobs <= 1)."""
+    if jobs <= 1:
+        return [fn(t) for t in tasks]
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+        return list(pool.map(fn, tasks, chunksize=chunksize))
+
+
 def describe(variant: dict) -> str:
     consts = " ".join(f"{k}={v}" for k, v in variant["constexprs"].items() if k != "BLOCK_SIZE")
     sig = ", ".join(f"{k}: {v}" for k, v in variant["signature"].items())
@@ -430,14 +441,7 @@ def compile_all(manifest: Path, jobs: int) -> int:
     print("helpers compiled inside the kernels: " + ", ".join(h.rsplit(".", 1)[1] for h in data["helpers"]))
     tasks = [(n, i, v) for n, vs in recorded.items() if n in kernels for i, v in enumerate(vs)]
     t0 = time.perf_counter()
-    if jobs > 1:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
-        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
-            results = list(pool.map(_compile_task, tasks, chunksize=4))
-    else:
-        results = [_compile_task(task) for task in tasks]
+    results = parallel_map(_compile_task, tasks, jobs, chunksize=4)
     elapsed = time.perf_counter() - t0
     passed, failed, reached = Counter(), Counter(), Counter()
     for name, index, ok, detail, _ in results:

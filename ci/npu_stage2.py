@@ -81,19 +81,24 @@ def bishengir(binary: str, ttadapter: Path, work: Path) -> tuple[bool, str, str]
     return True, planned.read_text(), message
 
 
-def _task(args):
-    name, variant, binary = args
+def plan(fn, variant: dict, binary: str) -> tuple[int | None, int | None, str]:
+    """(UB bytes, scalar loops, "") of one variant of ``fn`` through stage 1 and bishengir-compile,
+    or (None, None, what failed)."""
     with tempfile.TemporaryDirectory(prefix="normkit-stage2-") as tmp:
         os.environ["TRITON_CACHE_DIR"] = str(Path(tmp, "cache"))
-        t0 = time.perf_counter()
-        ok, detail = stage1.compile_variant(stage1._kernels()[name], variant)
+        ok, detail = stage1.compile_variant(fn, variant)
         found = sorted(Path(tmp, "cache").rglob("*.ttadapter"))
         if not ok or not found:
-            return name, variant, None, None, f"stage 1 failed: {detail}", time.perf_counter() - t0
+            return None, None, f"stage 1 failed: {detail}"
         ok, module, message = bishengir(binary, found[0], Path(tmp))
         if not ok:
-            return name, variant, None, None, message, time.perf_counter() - t0
-        return name, variant, ub_bytes(module), scalar_loops(module), "", time.perf_counter() - t0
+            return None, None, message
+        return ub_bytes(module), scalar_loops(module), ""
+
+
+def _task(args):
+    name, variant, binary = args
+    return (name, variant, *plan(stage1._kernels()[name], variant, binary))
 
 
 def distinct(variants: list[dict]) -> list[dict]:
@@ -123,17 +128,10 @@ def run(binary: str, manifest: Path, jobs: int, budget_kb: float, table: Path | 
     tasks = [(name, v, binary) for name, vs in data["kernels"].items() for v in distinct(vs)
              if not only or any(stage1.short(name).startswith(o) for o in only)]  # fmt: skip
     t0 = time.perf_counter()
-    if jobs > 1:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
-        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
-            results = list(pool.map(_task, tasks, chunksize=2))
-    else:
-        results = [_task(t) for t in tasks]
+    results = stage1.parallel_map(_task, tasks, jobs, chunksize=2)
     per_kernel: dict[str, list] = {}
     failures = []
-    for name, variant, ub, loops, message, _ in results:
+    for name, variant, ub, loops, message in results:
         per_kernel.setdefault(stage1.short(name), []).append((ub, loops, label(variant)))
         why = (message and f"compiler: {message[:stage1.MESSAGE_LIMIT]}") or (
             f"{loops} scalar loop(s)" if loops else
@@ -184,21 +182,13 @@ def _selftest_gather(X, W, Y, n, BLOCK: tl.constexpr):
 def selftest(binary: str) -> int:
     variant = {"constexprs": {"BLOCK": 1024}, "options": {},
                "signature": {"X": "*fp32", "W": "*fp32", "Y": "*fp32", "n": "i32"}}  # fmt: skip
-    stage1._kernels()  # discover() for the real kernels; the self-test kernels are compiled directly
     results = {}
     for fn in (_selftest_plain, _selftest_gather):
-        with tempfile.TemporaryDirectory(prefix="normkit-stage2-") as tmp:
-            os.environ["TRITON_CACHE_DIR"] = str(Path(tmp, "cache"))
-            ok, detail = stage1.compile_variant(fn, variant)
-            found = sorted(Path(tmp, "cache").rglob("*.ttadapter"))
-            if not ok or not found:
-                print(f"self-test: {fn.__name__} did not reach ttadapter: {detail}")
-                return 1
-            ok, module, message = bishengir(binary, found[0], Path(tmp))
-            if not ok:
-                print(f"self-test: {fn.__name__}: {message}")
-                return 1
-            results[fn.__name__] = (ub_bytes(module), scalar_loops(module))
+        ub, loops, message = plan(fn, variant, binary)
+        if message:
+            print(f"self-test: {fn.__name__}: {message}")
+            return 1
+        results[fn.__name__] = (ub, loops)
     plain, gather = results["_selftest_plain"], results["_selftest_gather"]
     good = plain[1] == 0 and gather[1] > 0 and plain[0] > 0
     print(f"self-test {'ok' if good else 'FAILED'}: plain kernel {plain[1]} scalar loops, UB {plain[0]} B; "

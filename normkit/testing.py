@@ -64,22 +64,23 @@ TOLERANCES: dict[str, dict[torch.dtype, tuple[float, float]]] = {
 FWD_ATOL_FLOOR = 2.0**-8
 
 
-def tolerance(dtype: torch.dtype, kind: str, rows: int = 1, scale: float = 1.0) -> tuple[float, float]:
+def tolerance(dtype: torch.dtype, kind: str, rows: int = 1, expected: torch.Tensor | None = None
+              ) -> tuple[float, float]:  # fmt: skip
     """(atol, rtol) of ``kind`` for ``dtype``; ``rows``: the rows a "param" gradient sums over;
-    ``scale``: max|expected| of a "fwd" output (see FWD_ATOL_FLOOR)."""
+    ``expected``: a "fwd" output's reference, whose max |finite value| scales atol (FWD_ATOL_FLOOR)."""
     atol, rtol = TOLERANCES[kind][dtype]
     if kind == "param":
         atol *= math.sqrt(max(rows, 1))
-    if kind == "fwd":
-        atol *= min(1.0, max(scale, FWD_ATOL_FLOOR))
+    if kind == "fwd" and expected is not None:
+        e = expected.detach()
+        e = e[e.isfinite()]
+        atol *= min(1.0, max(e.abs().max().item(), FWD_ATOL_FLOOR)) if e.numel() else 1.0
     return atol, rtol
 
 
-def _scale(expected: torch.Tensor) -> float:
-    """max|expected| over its finite values (1 if none)."""
-    e = expected.detach()
-    e = e[e.isfinite()]
-    return e.abs().max().item() if e.numel() else 1.0
+def _on_oracle(actual: torch.Tensor, expected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both in fp64 on :func:`oracle_device` of ``actual``."""
+    return fp64(actual), fp64(expected).to(oracle_device(actual.device))
 
 
 def oracle_device(device) -> torch.device:
@@ -103,7 +104,7 @@ RECORD: list | None = None
 
 
 def _record(actual, expected, dtype, kind, rows, condition) -> None:
-    a, e = fp64(actual), fp64(expected).to(oracle_device(actual.device))
+    a, e = _on_oracle(actual, expected)
     finite = e.isfinite() & a.isfinite()
     if not finite.any():
         return
@@ -119,13 +120,12 @@ def assert_close(actual, expected, dtype, kind, name, rows=1, equal_nan=False, c
     :func:`oracle_device` of ``actual`` (``expected`` may be on the CPU for any device).
     ``condition`` (>= 1) scales atol for ill-conditioned inputs (see tests/test_fuzz.py)."""
     assert actual.shape == expected.shape, f"{name}: shape {actual.shape} != {expected.shape}"
-    atol, rtol = tolerance(dtype, kind, rows, _scale(expected) if kind == "fwd" else 1.0)
+    atol, rtol = tolerance(dtype, kind, rows, expected)
     atol *= condition
     if RECORD is not None and actual.numel():
         _record(actual, expected, dtype, kind, rows, condition)
     torch.testing.assert_close(
-        fp64(actual),
-        fp64(expected).to(oracle_device(actual.device)),
+        *_on_oracle(actual, expected),
         atol=atol,
         rtol=rtol,
         equal_nan=equal_nan,
@@ -137,9 +137,9 @@ def tolerance_used(actual, expected, dtype, kind, rows=1) -> float:
     """max |actual - expected| / (atol + rtol * |expected|): at most 1 where assert_close passes."""
     if actual.numel() == 0:
         return 0.0
-    atol, rtol = tolerance(dtype, kind, rows, _scale(expected) if kind == "fwd" else 1.0)
-    expected = fp64(expected).to(oracle_device(actual.device))
-    used = (fp64(actual) - expected).abs() / (atol + rtol * expected.abs())
+    atol, rtol = tolerance(dtype, kind, rows, expected)
+    actual, expected = _on_oracle(actual, expected)
+    used = (actual - expected).abs() / (atol + rtol * expected.abs())
     return used.nan_to_num(0.0).max().item()  # NaN where both are NaN (checked by assert_close)
 
 

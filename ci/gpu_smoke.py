@@ -44,6 +44,11 @@ ONE_CLASS = {
                                                          "shared memory or split rows (config.forward)"),
 }
 FUZZ = "tests/test_fuzz.py::"
+# Tests chosen first, whatever the records say: a plan (path=bound) is made once a signature has
+# been seen, and the plan cache is process-wide, so a test's reach of a plan path can depend on the
+# tests its worker ran before (the 2026-11-26 smoke missed BatchNorm's in-parts plan that way).
+# These clear the plan cache themselves and reach their plan paths in any order.
+ALWAYS = ("tests/test_gpu_hardening.py::test_batch_norm_plans_match_reference[(4, 8, 32, 32)-torch.float32]",)
 PATHS = ("direct", "bound")  # launch paths each kernel must take where the full suite takes them
 
 
@@ -113,7 +118,9 @@ def select(directory: str, junit: str) -> int:
     for t in fuzz:
         del per_test[t]
     want -= only_fuzz
-    left, chosen, total = set(want), [], 0.0
+    left, chosen, total = set(want), list(ALWAYS), sum(times.get(t, 30.0) for t in ALWAYS)
+    for t in ALWAYS:
+        left -= per_test.get(t, set())
     while left:
         test = max(per_test, key=lambda t: len(per_test[t] & left) / (times.get(t, 30.0) + 1.0))
         gain = per_test[test] & left

@@ -16,6 +16,10 @@ NPU_I = "npu-kernels-interpreter"
 CUDA_I = "cuda-kernels-interpreter"
 
 
+_ROWS_KEY = "key = tl.broadcast_to((seed ^ (rows64 << 32))[:, None], (ROWS, WIDTH))"
+_ONE_KEY = "key = tl.broadcast_to((seed + 0 * rows64)[:, None], (ROWS, WIDTH))"
+
+
 def _k(*words: str) -> tuple[str, str]:
     return "-k", " and ".join(words)
 
@@ -115,6 +119,24 @@ MUTANTS = [
            "dx = (wdy - xhat * tl.load(C1 + row)) * rstd",
            (LN, *_k("test_matches_reference", NPU_I, "layer_norm")),
            what="LayerNorm dx without the mean term"),
+    Mutant("npu-rows-bwd-drops-c2", "backends/npu/layer_norm.py", "_bwd_rows_kernel",
+           "dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]",
+           "dx = (wdy - xhat * c1[:, None]) * rstd[:, None]",
+           (LN, *_k("test_matches_reference", NPU_I, "layer_norm")),
+           what="LayerNorm dx of whole-row tiles without the mean term"),
+    Mutant("npu-rows-dropout-one-key", "backends/npu/layer_norm.py", "_fwd_rows_kernel",
+           _ROWS_KEY, _ONE_KEY, (ADD, *_k(NPU_I, "documented_philox")),
+           also=(("_bwd_rows_kernel", _ROWS_KEY, _ONE_KEY),),
+           what="every packed row's dropout mask drawn from one key (forward and backward alike)"),
+    Mutant("npu-rows-fwd-unmasked-store", "backends/npu/layer_norm.py", "_fwd_rows_kernel",
+           "tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)",
+           "tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty))",
+           ("tests/test_sentinels.py", *_k(NPU_I, "layer_norm")), what="a packed tile's padding stored"),
+    Mutant("npu-param-sums-swapped", "backends/npu/reduce.py", "param_sums",
+           "return sum_partials(dw_part, weight_dtype, db_part, bias_dtype)",
+           "return sum_partials(db_part, weight_dtype, dw_part, bias_dtype)",
+           (LN, *_k("test_matches_reference", NPU_I, "layer_norm")),
+           what="dweight and dbias sums swapped in the one-launch reduction"),
     Mutant("npu-fwd-unmasked-store", "backends/npu/layer_norm.py", "_fwd_kernel",
            "tl.store(y_row + offs, y.to(Y.dtype.element_ty), mask=mask)",
            "tl.store(y_row + offs, y.to(Y.dtype.element_ty))",

@@ -204,6 +204,11 @@ class Recorder:
         entry["launches"] += 1
 
 
+# Row lengths of the row-norm cases: whole rows in one tile (several a tile), and rows that loop over
+# BLOCK_SIZE column tiles (config.packed_rows); 1040 = 65 x 16 keeps row strides 16-element aligned.
+ROW_LENGTHS = (8, 1040)
+
+
 def record_cases(normkit, dtypes):
     """(label, thunk) for every op family x dtype x flag combination; each thunk runs forward and
     backward through the public API on small CPU tensors."""
@@ -224,8 +229,10 @@ def record_cases(normkit, dtypes):
         for pdt in dict.fromkeys([dt, f32]):
             pre = f"x={name} params={TORCH_TO_TRITON[pdt]}"
             for w, b in flags:
-                yield (f"layer_norm {pre} weight={w} bias={b}", lambda dt=dt, pdt=pdt, w=w, b=b: backward(
-                    F.layer_norm(t((2, 3, 8), dt), (8,), t(8, pdt) if w else None, t(8, pdt) if b else None)))
+                for n in ROW_LENGTHS:
+                    yield (f"layer_norm {pre} N={n} weight={w} bias={b}",
+                           lambda dt=dt, pdt=pdt, w=w, b=b, n=n: backward(F.layer_norm(
+                               t((2, 3, n), dt), (n,), t(n, pdt) if w else None, t(n, pdt) if b else None)))
                 yield (f"group_norm {pre} weight={w} bias={b}", lambda dt=dt, pdt=pdt, w=w, b=b: backward(
                     F.group_norm(t((2, 4, 3, 2), dt), 2, t(4, pdt) if w else None, t(4, pdt) if b else None)))
                 yield (f"instance_norm {pre} weight={w} bias={b} running stats",
@@ -237,26 +244,26 @@ def record_cases(normkit, dtypes):
                            lambda dt=dt, pdt=pdt, w=w, b=b, tr=training: backward(F.batch_norm(
                                t((3, 4, 5), dt), torch.zeros(4, dtype=pdt), torch.ones(4, dtype=pdt),
                                t(4, pdt) if w else None, t(4, pdt) if b else None, training=tr)))  # fmt: skip
-            for w in (True, False):
-                yield (f"rms_norm {pre} weight={w}", lambda dt=dt, pdt=pdt, w=w: backward(
-                    F.rms_norm(t((2, 3, 8), dt), (8,), t(8, pdt) if w else None)))
+            for w, n in itertools.product((True, False), ROW_LENGTHS):
+                yield (f"rms_norm {pre} N={n} weight={w}", lambda dt=dt, pdt=pdt, w=w, n=n: backward(
+                    F.rms_norm(t((2, 3, n), dt), (n,), t(n, pdt) if w else None)))
             residuals = {"none": None, "same dtype": dt, "fp32": f32}
             dropouts = {"p=0": (0.0, None), "p=0.1 seed=i32": (0.1, 1234), "p=0.1 seed=i64": (0.1, 2**40 + 1)}
-            for op, (res, rdt), rdtype, (drop, (p, seed)), prenorm, (w, b) in itertools.product(
+            for op, (res, rdt), rdtype, (drop, (p, seed)), prenorm, (w, b), n in itertools.product(
                     ("add_layer_norm", "add_rms_norm"), residuals.items(), (None, f32), dropouts.items(),
-                    (False, True), flags):  # fmt: skip
+                    (False, True), flags, ROW_LENGTHS):  # fmt: skip
                 if op == "add_rms_norm" and not b:
                     continue  # no bias: the b=True and b=False cases are the same call
-                label = (f"{op} {pre} residual={res} residual_dtype={rdtype and 'fp32'} {drop} "
+                label = (f"{op} {pre} N={n} residual={res} residual_dtype={rdtype and 'fp32'} {drop} "
                          f"prenorm={prenorm} weight={w}" + ("" if op == "add_rms_norm" else f" bias={b}"))
 
                 def add_norm(op=op, dt=dt, pdt=pdt, rdt=rdt, rdtype=rdtype, p=p, seed=seed, prenorm=prenorm,
-                             w=w, b=b):  # fmt: skip
+                             w=w, b=b, n=n):  # fmt: skip
                     kw = dict(dropout_p=p, seed=seed, residual_dtype=rdtype, prenorm=prenorm)
                     if op == "add_layer_norm":
-                        kw["bias"] = t(8, pdt) if b else None
-                    out = getattr(F, op)(t((2, 3, 8), dt), t((2, 3, 8), rdt) if rdt else None, (8,),
-                                         t(8, pdt) if w else None, **kw)  # fmt: skip
+                        kw["bias"] = t(n, pdt) if b else None
+                    out = getattr(F, op)(t((2, 3, n), dt), t((2, 3, n), rdt) if rdt else None, (n,),
+                                         t(n, pdt) if w else None, **kw)  # fmt: skip
                     backward(*(out if prenorm else (out,)))
 
                 yield label, add_norm

@@ -33,12 +33,24 @@ FALLBACK_VECTOR_CORES = 40
 INTERPRETER_CORES = 4
 
 MAX_GRID = 65535
+# Rows of at most BLOCK_SIZE elements are held whole in one tile of BLOCK_SIZE elements: ROWS rows of
+# WIDTH columns, WIDTH = N rounded up to a power of two (at least MIN_WIDTH: 64-byte fp32 rows, the
+# vector unit's block), so a row is read from HBM once in the forward and once in the backward and rows
+# shorter than BLOCK_SIZE / 2 share a tile instead of padding one each (docs/backends.md, UB table).
+MIN_WIDTH = 16
 
 
 @dataclass(frozen=True)
 class LaunchConfig:
     block_size: int  # column tile
     rows_per_chunk: int  # rows per partial-sum chunk (backward); 1 elsewhere
+    grid: tuple[int]
+
+
+@dataclass(frozen=True)
+class RowsConfig:
+    rows: int  # rows a tile
+    width: int  # columns a tile: N rounded up to a power of two; rows * width == BLOCK_SIZE
     grid: tuple[int]
 
 
@@ -87,6 +99,16 @@ def persistent_grid(work_items: int, device: torch.device) -> tuple[int]:
 def rows(M: int, device: torch.device) -> LaunchConfig:
     """Kernels that walk rows: program p takes rows p, p + G, p + 2G, ..."""
     return LaunchConfig(BLOCK_SIZE, 1, persistent_grid(M, device))
+
+
+def packed_rows(M: int, N: int, device: torch.device) -> RowsConfig | None:
+    """Whole rows in one tile (N <= BLOCK_SIZE), several a tile when short; None for longer rows,
+    which loop over BLOCK_SIZE column tiles (:func:`rows`). Program p takes tiles p, p + G, ..."""
+    if N > BLOCK_SIZE:
+        return None
+    width = max(MIN_WIDTH, 1 << max(0, N - 1).bit_length())
+    rows_a_tile = BLOCK_SIZE // width
+    return RowsConfig(rows_a_tile, width, persistent_grid(-(-M // rows_a_tile), device))
 
 
 def column_tiles(N: int, device: torch.device) -> LaunchConfig:

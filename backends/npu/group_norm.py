@@ -14,7 +14,7 @@ import triton.language as tl
 
 from normkit.backends.common import channels_last, group_norm_row_bwd, group_norm_row_fwd
 from normkit.backends.npu import config
-from normkit.backends.npu.reduce import sum_partials
+from normkit.backends.npu.reduce import param_sums
 
 
 @triton.jit
@@ -104,6 +104,6 @@ def group_norm_bwd(dy, x, weight, mean, rstd, num_groups, bias_dtype):
         x, dy, dx, weight if has_w else x, mean, rstd, dw_part, db_part, rows, num_groups, C, L, HW,
         C // num_groups, 1.0 / L, BLOCK_SIZE=cfg.block_size, HAS_W=has_w, HAS_DB=has_db, CL=channels_last(x),
     )  # fmt: skip
-    dweight = sum_partials(dw_part, weight.dtype) if has_w else None
-    dbias = sum_partials(db_part, bias_dtype) if has_db else None
+    dweight, dbias = param_sums(dw_part if has_w else None, weight.dtype if has_w else None,
+                                db_part if has_db else None, bias_dtype)  # fmt: skip
     return dx, dweight, dbias

@@ -5,9 +5,13 @@ persistent grid of vector-core count programs looping over rows, fp32 math, only
 both upstream Triton and triton-ascend accept (power-of-two aranges, no pointer selects, no atomics),
 int64 row offsets. RMSNorm shares the kernels through the ``IS_RMS`` constexpr.
 
-Backward: a row sweep computes the two dx reduction terms per row, then programs take
-(row chunk, column tile) work items, write dx and one fp32 dweight/dbias partial row per chunk;
-``reduce.sum_partials`` adds the partial rows in chunk order (deterministic, no atomics).
+Rows of at most BLOCK_SIZE elements (``config.packed_rows``) are held whole, several to a tile when
+short: each row is read from HBM once in the forward and once in the backward, whose one kernel
+writes dx and one fp32 dweight / dbias partial row per program. Longer rows loop over column tiles:
+the forward reads a row twice (statistics, then output); the backward's row sweep computes the two
+dx reduction terms per row, then programs take (row chunk, column tile) work items, write dx and
+one partial row per chunk. ``reduce.param_sums`` adds the partial rows in order, dweight and dbias
+in one launch (deterministic, no atomics).
 
 The fused residual path (add-norm) runs the same kernels with ``ADD`` on, as on CUDA: h =
 dropout(x) + residual is formed, stored and normalized; the backward adds h's incoming gradient,
@@ -27,8 +31,79 @@ import triton.language as tl
 
 from normkit.backends.common import chan_merge, normalize, residual_grad, residual_in
 from normkit.backends.npu import config
-from normkit.backends.npu.reduce import sum_partials
+from normkit.backends.npu.reduce import param_sums
 from normkit.backends.row_norm_contract import row_norm_contract
+
+
+@triton.jit
+def _fwd_rows_kernel(
+    X,  # (M, N) input rows; row stride stride_x, unit column stride
+    R,  # (M, N) residual rows (read when ADD and HAS_R)
+    H,  # (M, N) out: h = dropout(x) + residual, residual dtype (written when ADD)
+    Y,  # (M, N) output rows; row stride stride_y
+    W,  # (N,) weight (unread unless HAS_W)
+    B,  # (N,) bias (unread unless HAS_B)
+    Mean,  # (M,) out, fp32 (unwritten when IS_RMS)
+    Rstd,  # (M,) out, fp32: 1 / sqrt(var + eps)
+    stride_x,
+    stride_r,
+    stride_h,
+    stride_y,
+    M,
+    N,  # at most BLOCK_SIZE: whole rows in one tile (config.packed_rows)
+    inv_n,
+    eps,
+    seed,  # dropout, as in _fwd_kernel (*)
+    p,
+    scale,
+    ROWS: tl.constexpr,  # rows a tile
+    WIDTH: tl.constexpr,  # columns a tile (N rounded up to a power of two); ROWS * WIDTH = BLOCK_SIZE
+    IS_RMS: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    ADD: tl.constexpr,
+    HAS_R: tl.constexpr,
+    DROPOUT: tl.constexpr,
+):
+    # Each row is read once: statistics and output from the tile held in UB (measured UB: the table in
+    # docs/backends.md). Statistics of x - x[row, 0] (exact differences, accurate for large means),
+    # then the mean-centred sum of squares of the held values.
+    cols = tl.arange(0, WIDTH)
+    cmask = cols < N
+    if HAS_W:
+        w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+    if HAS_B:
+        b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
+    for tile in range(tl.program_id(0), tl.cdiv(M, ROWS), tl.num_programs(0)):
+        rows = tile * ROWS + tl.arange(0, ROWS)
+        rmask = rows < M
+        rows64 = tl.cast(rows, tl.int64)
+        mask = rmask[:, None] & cmask[None, :]
+        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if ADD:
+            key = tl.broadcast_to((seed ^ (rows64 << 32))[:, None], (ROWS, WIDTH))  # each row's key (*)
+            offs = tl.broadcast_to(cols[None, :], (ROWS, WIDTH))
+            h = residual_in(x, R + rows64[:, None] * stride_r + cols[None, :], mask, key, offs, p, scale,
+                            HAS_R, DROPOUT).to(H.dtype.element_ty)  # fmt: skip
+            tl.store(H + rows64[:, None] * stride_h + cols[None, :], h, mask=mask)
+            x = h.to(tl.float32)
+        if IS_RMS:
+            xc = x
+            mean = tl.zeros([ROWS], tl.float32)
+        else:
+            shift = tl.sum(tl.where(cols[None, :] == 0, x, 0.0), axis=1)
+            xs = tl.where(mask, x - shift[:, None], 0.0)
+            mean = tl.sum(xs, axis=1) * inv_n
+            xc = tl.where(mask, xs - mean[:, None], 0.0)
+            tl.store(Mean + rows, shift + mean, mask=rmask)
+        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) * inv_n + eps)
+        tl.store(Rstd + rows, rstd, mask=rmask)
+        y = xc * rstd[:, None]
+        if HAS_W:
+            y = y * w[None, :]
+        if HAS_B:
+            y = y + b[None, :]
+        tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -111,6 +186,86 @@ def _fwd_kernel(
             if HAS_B:
                 y = y + tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
             tl.store(y_row + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bwd_rows_kernel(
+    X,  # (M, N) forward input rows (h for the add-norm); row stride stride_x
+    DY,  # (M, N) output gradient rows; row stride stride_dy
+    DH,  # (M, N) incoming gradient of h (read when HAS_DH)
+    DX,  # (M, N) out: gradient of the forward's x, in x's dtype
+    DRES,  # (M, N) out: gradient of the residual (written when HAS_DRES)
+    W,  # (N,) weight (unread unless HAS_W)
+    Mean,  # (M,) forward row means (unread when IS_RMS)
+    Rstd,  # (M,)
+    DW_part,  # (programs, N) out, fp32: row p = program p's sum of dy * xhat (written when HAS_W)
+    DB_part,  # (programs, N) out, fp32: row p = program p's sum of dy (written when HAS_DB)
+    stride_x,
+    stride_dy,
+    stride_dh,
+    stride_dx,
+    stride_dres,
+    M,
+    N,  # at most BLOCK_SIZE (config.packed_rows)
+    inv_n,
+    seed,  # dropout, as in the forward
+    p,
+    scale,
+    ROWS: tl.constexpr,
+    WIDTH: tl.constexpr,
+    IS_RMS: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_DB: tl.constexpr,
+    HAS_DH: tl.constexpr,
+    HAS_DRES: tl.constexpr,
+    DROPOUT: tl.constexpr,
+):
+    # One launch for dx and the partial parameter sums, each row of x and dy read once: the row terms
+    # c1, c2 come from the tile held in UB. The partials are summed by one reduce launch.
+    cols = tl.arange(0, WIDTH)
+    cmask = cols < N
+    if HAS_W:
+        w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+    dw = tl.zeros([WIDTH], tl.float32)
+    db = tl.zeros([WIDTH], tl.float32)
+    for tile in range(tl.program_id(0), tl.cdiv(M, ROWS), tl.num_programs(0)):
+        rows = tile * ROWS + tl.arange(0, ROWS)
+        rmask = rows < M
+        rows64 = tl.cast(rows, tl.int64)
+        mask = rmask[:, None] & cmask[None, :]
+        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(Rstd + rows, mask=rmask, other=0.0)
+        if IS_RMS:
+            mean = tl.zeros([ROWS], tl.float32)
+        else:
+            mean = tl.load(Mean + rows, mask=rmask, other=0.0)
+        xhat = normalize(x, mean[:, None], rstd[:, None], mask, IS_RMS)
+        if HAS_W:
+            wdy = dy * w[None, :]
+        else:
+            wdy = dy
+        c1 = tl.sum(xhat * wdy, axis=1) * inv_n
+        if IS_RMS:
+            dx = (wdy - xhat * c1[:, None]) * rstd[:, None]
+        else:
+            c2 = tl.sum(wdy, axis=1) * inv_n
+            dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+        key = tl.broadcast_to((seed ^ (rows64 << 32))[:, None], (ROWS, WIDTH))  # each row's key (*)
+        offs = tl.broadcast_to(cols[None, :], (ROWS, WIDTH))
+        dx = residual_grad(dx, DH + rows64[:, None] * stride_dh + cols[None, :],
+                           DRES + rows64[:, None] * stride_dres + cols[None, :], mask, key, offs, p, scale,
+                           HAS_DH, HAS_DRES, DROPOUT)  # fmt: skip
+        tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        if HAS_W:
+            dw += tl.sum(dy * xhat, axis=0)
+        if HAS_DB:
+            db += tl.sum(dy, axis=0)
+    part = tl.cast(tl.program_id(0), tl.int64) * N + cols
+    if HAS_W:
+        tl.store(DW_part + part, dw, mask=cmask)
+    if HAS_DB:
+        tl.store(DB_part + part, db, mask=cmask)
 
 
 @triton.jit
@@ -245,52 +400,68 @@ def _forward(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtype=Non
              seed=0):  # fmt: skip
     """-> (y, h or None, mean, rstd); h = dropout(x) + residual is formed and normalized if add."""
     M, N = x.shape
-    cfg = config.rows(M, x.device)
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     h = torch.empty((M, N), dtype=h_dtype, device=x.device) if add else None
     rstd = torch.empty(M, dtype=torch.float32, device=x.device)
     mean = rstd if is_rms else torch.empty_like(rstd)
     r = residual if residual is not None else x
     hh = h if add else y
-    _fwd_kernel[cfg.grid](
-        x, r, hh, y, weight if weight is not None else x, bias if bias is not None else x, mean, rstd,
-        x.stride(0), r.stride(0), hh.stride(0), y.stride(0), M, N, 1.0 / N, eps,
-        *_dropout_args(dropout_p, seed),
-        BLOCK_SIZE=cfg.block_size, IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=bias is not None,
-        ADD=add, HAS_R=residual is not None, DROPOUT=add and dropout_p > 0,
-    )  # fmt: skip
+    args = (x, r, hh, y, weight if weight is not None else x, bias if bias is not None else x, mean, rstd,
+            x.stride(0), r.stride(0), hh.stride(0), y.stride(0), M, N, 1.0 / N, eps,
+            *_dropout_args(dropout_p, seed))  # fmt: skip
+    flags = dict(IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=bias is not None, ADD=add,
+                 HAS_R=residual is not None, DROPOUT=add and dropout_p > 0)  # fmt: skip
+    packed = config.packed_rows(M, N, x.device)
+    if packed is not None:
+        _fwd_rows_kernel[packed.grid](*args, ROWS=packed.rows, WIDTH=packed.width, **flags)
+    else:
+        cfg = config.rows(M, x.device)
+        _fwd_kernel[cfg.grid](*args, BLOCK_SIZE=cfg.block_size, **flags)
     return y, h, mean, rstd
 
 
 def _backward(dy, x, weight, mean, rstd, bias_dtype, is_rms, dh=None, x_dtype=None,
               residual_dtype=None, dropout_p=0.0, seed=0):  # fmt: skip
-    """-> (dx, dresidual or None, dweight or None, dbias or None); see the CUDA twin."""
+    """-> (dx, dresidual or None, dweight or None, dbias or None); see the CUDA twin. Rows of at most
+    BLOCK_SIZE: one launch for dx and the parameters' partial sums, one to add them up; longer rows:
+    the row terms, then dx and the partial sums by (row chunk, column tile), then the sums."""
     M, N = x.shape
     has_w, has_db = weight is not None, bias_dtype is not None
     w = weight if has_w else x
-    c1 = torch.empty(M, dtype=torch.float32, device=x.device)
-    c2 = c1 if is_rms else torch.empty_like(c1)
-    sweep = config.rows(M, x.device)
-    _bwd_row_terms_kernel[sweep.grid](
-        x, dy, w, mean, rstd, c1, c2, x.stride(0), dy.stride(0), M, N, 1.0 / N,
-        BLOCK_SIZE=sweep.block_size, IS_RMS=is_rms, HAS_W=has_w,
-    )  # fmt: skip
-    cfg, chunks = config.row_chunks(M, N, x.device)
     dx = torch.empty((M, N), dtype=x_dtype or x.dtype, device=x.device)
     dres = torch.empty((M, N), dtype=residual_dtype, device=x.device) if residual_dtype else None
-    dw_part = torch.empty((chunks, N), dtype=torch.float32, device=x.device) if has_w else c1
-    db_part = torch.empty((chunks, N), dtype=torch.float32, device=x.device) if has_db else c1
     dh_ = dh if dh is not None else dy
     dres_ = dres if dres is not None else dx
-    _bwd_dx_kernel[cfg.grid](
-        x, dy, dh_, dx, dres_, w, mean, rstd, c1, c2, dw_part, db_part,
-        x.stride(0), dy.stride(0), dh_.stride(0), dx.stride(0), dres_.stride(0), M, N,
-        cfg.rows_per_chunk, chunks * triton.cdiv(N, cfg.block_size), *_dropout_args(dropout_p, seed),
-        BLOCK_SIZE=cfg.block_size, IS_RMS=is_rms, HAS_W=has_w, HAS_DB=has_db,
-        HAS_DH=dh is not None, HAS_DRES=dres is not None, DROPOUT=dropout_p > 0,
-    )  # fmt: skip
-    dweight = sum_partials(dw_part, weight.dtype) if has_w else None
-    dbias = sum_partials(db_part, bias_dtype) if has_db else None
+    flags = dict(IS_RMS=is_rms, HAS_W=has_w, HAS_DB=has_db, HAS_DH=dh is not None, HAS_DRES=dres is not None,
+                 DROPOUT=dropout_p > 0)  # fmt: skip
+    packed = config.packed_rows(M, N, x.device)
+    if packed is not None:
+        parts = packed.grid[0]
+    else:
+        c1 = torch.empty(M, dtype=torch.float32, device=x.device)
+        c2 = c1 if is_rms else torch.empty_like(c1)
+        sweep = config.rows(M, x.device)
+        _bwd_row_terms_kernel[sweep.grid](
+            x, dy, w, mean, rstd, c1, c2, x.stride(0), dy.stride(0), M, N, 1.0 / N,
+            BLOCK_SIZE=sweep.block_size, IS_RMS=is_rms, HAS_W=has_w,
+        )  # fmt: skip
+        cfg, parts = config.row_chunks(M, N, x.device)
+    dw_part = torch.empty((parts, N), dtype=torch.float32, device=x.device) if has_w else None
+    db_part = torch.empty((parts, N), dtype=torch.float32, device=x.device) if has_db else None
+    dw_, db_ = (t if t is not None else rstd for t in (dw_part, db_part))
+    strides = (x.stride(0), dy.stride(0), dh_.stride(0), dx.stride(0), dres_.stride(0), M, N)
+    if packed is not None:
+        _bwd_rows_kernel[packed.grid](
+            x, dy, dh_, dx, dres_, w, mean, rstd, dw_, db_, *strides, 1.0 / N,
+            *_dropout_args(dropout_p, seed), ROWS=packed.rows, WIDTH=packed.width, **flags,
+        )  # fmt: skip
+    else:
+        _bwd_dx_kernel[cfg.grid](
+            x, dy, dh_, dx, dres_, w, mean, rstd, c1, c2, dw_, db_, *strides, cfg.rows_per_chunk,
+            parts * triton.cdiv(N, cfg.block_size), *_dropout_args(dropout_p, seed),
+            BLOCK_SIZE=cfg.block_size, **flags,
+        )  # fmt: skip
+    dweight, dbias = param_sums(dw_part, weight.dtype if has_w else None, db_part, bias_dtype)
     return dx, dres, dweight, dbias
 
 

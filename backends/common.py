@@ -78,24 +78,61 @@ def online_max_sum(m, s, x):
 
 
 @triton.jit
-def residual_in(x, r_ptrs, mask, seed, offsets, p, scale, HAS_R: tl.constexpr, DROPOUT: tl.constexpr):
+def _fmix32(h):
+    """MurmurHash3's 32-bit finalizer: a bijection of uint32 with full avalanche."""
+    h ^= h >> 16
+    h *= 0x85EBCA6B
+    h ^= h >> 13
+    h *= 0xC2B2AE35
+    h ^= h >> 16
+    return h
+
+
+@triton.jit
+def hash_uniform(key, col):
+    """A uniform draw in [0, 1) (fp32, multiples of 2^-24) for element ``col`` of the row keyed
+    ``key`` (int64; seed ^ (row << 32)): 32-bit low multiplies, xors, shifts and adds only, which
+    Ascend's compiler keeps as vector code (Philox's high multiply becomes scalar loops there;
+    docs/numerics.md, "Dropout"). The formula, as ``normkit.rng.keep_mask`` computes it in torch:
+    h = fmix32(fmix32(col * 0x9E3779B1 + key_lo) ^ fmix32(key_hi ^ 0x5BD1E995)), u = (h >> 8) / 2^24."""
+    key = key.to(tl.int64)
+    lo = (key & 0xFFFFFFFF).to(tl.uint32)
+    hi = ((key >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    h = _fmix32(col.to(tl.uint32) * 0x9E3779B1 + lo)
+    h = _fmix32(h ^ _fmix32(hi ^ 0x5BD1E995))
+    return (h >> 8).to(tl.int32).to(tl.float32) * 5.9604644775390625e-08
+
+
+@triton.jit
+def _keep(seed, offsets, p, HASH: tl.constexpr):
+    """Dropout's keep decision: the hash (``HASH``: the NPU kernels, key seed ^ (row << 32), offsets
+    the columns) or Philox (the CUDA kernels: ``tl.rand(seed, row * N + col)``)."""
+    if HASH:
+        return hash_uniform(seed, offsets) >= p
+    return tl.rand(seed, offsets) >= p
+
+
+@triton.jit
+def residual_in(x, r_ptrs, mask, seed, offsets, p, scale, HAS_R: tl.constexpr, DROPOUT: tl.constexpr,
+                HASH: tl.constexpr = False):  # fmt: skip
     """h = dropout(x) + residual for the fused add-norm (``x`` already in the math dtype).
 
-    The dropout mask is regenerated, never stored: element (row, col) is kept where
-    ``tl.rand(seed, row * N + col) >= p`` and then scaled by ``scale = 1 / (1 - p)``.
+    The dropout mask is regenerated, never stored: element kept where :func:`_keep` says so and
+    then scaled by ``scale = 1 / (1 - p)``.
     """
     if HAS_R:
         r = tl.load(r_ptrs, mask=mask, other=0.0)
     else:
         r = x
-    return residual_add(x, r, seed, offsets, p, scale, HAS_R, DROPOUT)
+    return residual_add(x, r, seed, offsets, p, scale, HAS_R, DROPOUT, HASH)
 
 
 @triton.jit
-def residual_add(x, r, seed, offsets, p, scale, HAS_R: tl.constexpr, DROPOUT: tl.constexpr):
+def residual_add(x, r, seed, offsets, p, scale, HAS_R: tl.constexpr, DROPOUT: tl.constexpr,
+                 HASH: tl.constexpr = False):  # fmt: skip
     """:func:`residual_in` with the residual ``r`` already loaded (any dtype; unread unless HAS_R)."""
     if DROPOUT:
-        x = tl.where(tl.rand(seed, offsets) >= p, x * scale, 0.0)
+        x = tl.where(_keep(seed, offsets, p, HASH), x * scale, 0.0)
     if HAS_R:
         x = x + r.to(x.dtype)
     return x
@@ -103,7 +140,8 @@ def residual_add(x, r, seed, offsets, p, scale, HAS_R: tl.constexpr, DROPOUT: tl
 
 @triton.jit
 def residual_grad(dh, dh_ptrs, dres_ptrs, mask, seed, offsets, p, scale,
-                  HAS_DH: tl.constexpr, HAS_DRES: tl.constexpr, DROPOUT: tl.constexpr):
+                  HAS_DH: tl.constexpr, HAS_DRES: tl.constexpr, DROPOUT: tl.constexpr,
+                  HASH: tl.constexpr = False):  # fmt: skip
     """From the norm's gradient w.r.t. h: add h's own incoming gradient (``dh_ptrs``), store the
     residual's gradient (= dh), and return x's gradient (dh through the regenerated dropout mask).
     With every flag off it returns ``dh`` unchanged (the plain norms)."""  # fmt: skip
@@ -112,7 +150,7 @@ def residual_grad(dh, dh_ptrs, dres_ptrs, mask, seed, offsets, p, scale,
     if HAS_DRES:
         tl.store(dres_ptrs, dh.to(dres_ptrs.dtype.element_ty), mask=mask)
     if DROPOUT:
-        dh = tl.where(tl.rand(seed, offsets) >= p, dh * scale, 0.0)
+        dh = tl.where(_keep(seed, offsets, p, HASH), dh * scale, 0.0)
     return dh
 
 

@@ -80,11 +80,11 @@ def rms_norm_bwd(dy, x, weight, rstd):
 
 
 def dropout_keep(shape, dropout_p, seed, device):
-    """The reference backend's dropout mask: a function of (seed, shape) alone, so the backward
-    regenerates the forward's mask. (The Triton backends derive theirs from Philox on
-    (seed, row * N + col); masks of different backends differ, as torch's do across devices.)"""
-    g = torch.Generator(device=device).manual_seed(seed)
-    return torch.rand(shape, generator=g, device=device) >= dropout_p
+    """The reference backend's dropout mask: the hash the NPU kernels draw (normkit.rng, docs/numerics.md),
+    a function of (seed, shape) alone, so the backward regenerates the forward's mask."""
+    from normkit import rng
+
+    return rng.keep_mask(shape, dropout_p, seed, device)
 
 
 def _residual_in(x, residual, dropout_p, seed, h_dtype):

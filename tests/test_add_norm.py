@@ -149,7 +149,7 @@ def test_dropout_matches_autograd_through_explicit_mask(run_on, executor, shape,
 def test_dropout_keep_rate(run_on, executor, p):
     """Over 10^6 elements the kept fraction is within 0.5% of 1 - p. (Under the interpreter the
     kernels' masks are checked bit for bit against the formula instead:
-    test_dropout_mask_is_the_documented_philox; 10^6 elements there cost ~50 s a test.)"""
+    test_dropout_mask_is_the_documented_formula; 10^6 elements there cost ~50 s a test.)"""
     if executor is None:
         context, device = normkit.dispatch.use_backend("cpu", "normkit.reference"), "cpu"
     else:
@@ -239,8 +239,9 @@ def test_unused_h_sends_no_gradient(monkeypatch, op):
 
 
 # --- the dropout mask against the documented formula (docs/numerics.md, "Dropout") ----------------
-# An independent Philox4x32-10 as Triton's tl.rand runs it: counter (offset low, offset high, 0, 0),
-# key (seed low, seed high), the first output word as a signed int scaled to [0, 1).
+# An independent Philox4x32-10 as Triton's tl.rand runs it (the CUDA kernels): counter (offset low,
+# offset high, 0, 0), key (seed low, seed high), the first output word as a signed int scaled to
+# [0, 1); and the hash of the NPU kernels and the reference backend.
 
 _ROUND_A, _ROUND_B, _KEY_A, _KEY_B = 0xD2511F53, 0xCD9E8D57, 0x9E3779B9, 0xBB67AE85
 _U32 = 0xFFFFFFFF
@@ -258,9 +259,24 @@ def _philox_uniform(seed: int, offset: int) -> float:
     return (torch.tensor(float(signed), dtype=torch.float32) * torch.tensor(4.6566127342e-10)).item()
 
 
+def _fmix32(h: int) -> int:
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & _U32
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & _U32
+    return h ^ (h >> 16)
+
+
+def _hash_uniform(key: int, col: int) -> float:
+    """The NPU kernels' and the reference's draw (docs/numerics.md), in Python integers."""
+    lo, hi = key & _U32, (key >> 32) & _U32
+    h = _fmix32(_fmix32((col * 0x9E3779B1 + lo) & _U32) ^ _fmix32(hi ^ 0x5BD1E995))
+    return (h >> 8) / 2.0**24
+
+
 def documented_keep(backend: str, shape, p: float, seed: int) -> torch.Tensor:
-    """CUDA kernels: tl.rand(seed, row * N + col); NPU kernels: tl.rand(seed ^ (row << 32), col).
-    Kept where the draw is >= p (as fp32)."""
+    """CUDA kernels: tl.rand(seed, row * N + col); NPU kernels and the reference backend: the hash
+    of (seed ^ (row << 32), col). Kept where the draw is >= p (as fp32)."""
     M, N = shape
     p32 = torch.tensor(p, dtype=torch.float32).item()
     keep = torch.empty(M, N, dtype=torch.bool)
@@ -269,14 +285,30 @@ def documented_keep(backend: str, shape, p: float, seed: int) -> torch.Tensor:
             if backend == "cuda":
                 keep[row, col] = _philox_uniform(seed, row * N + col) >= p32
             else:
-                keep[row, col] = _philox_uniform(seed ^ (row << 32), col) >= p32
+                keep[row, col] = _hash_uniform(seed ^ (row << 32), col) >= p32
     return keep
+
+
+def test_reference_mask_is_the_documented_hash():
+    """The reference backend (the CPU path's dropout) draws the NPU kernels' hash, bit for bit, for
+    seeds past 2^32 too; its keep rate and row / column independence as in the kernel tests."""
+    for seed, shape in ((7, (6, 150)), (2**40 + 3, (3, 1100))):
+        got = reference.dropout_keep(shape, 0.4, seed, "cpu")
+        want = documented_keep("npu", shape, 0.4, seed)
+        assert torch.equal(got, want), f"{(got != want).sum().item()} of {got.numel()} mask bits differ"
+    big = reference.dropout_keep((256, 4096), 0.3, 11, "cpu").float()
+    assert abs(big.mean().item() - 0.7) < 0.005, big.mean().item()  # 1M draws: sd 0.00046
+    rows, cols = big.mean(dim=1), big.mean(dim=0)
+    assert (rows - 0.7).abs().max() < 0.04 and (cols - 0.7).abs().max() < 0.15  # per-row sd 0.0072, col 0.029
+    corr = torch.corrcoef(torch.stack([big[:, :-1].flatten(), big[:, 1:].flatten()]))[0, 1].item()
+    corr_rows = torch.corrcoef(torch.stack([big[:-1].flatten(), big[1:].flatten()]))[0, 1].item()
+    assert abs(corr) < 0.01 and abs(corr_rows) < 0.01, (corr, corr_rows)  # sd ~0.001
 
 
 @pytest.mark.parametrize("op", ADD_OPS)
 @pytest.mark.parametrize("executor,shape", executor_params([((6, 150),), ((3, 1100),)],
                                                            [((6, 150),), ((3, 1100),)]))  # fmt: skip
-def test_dropout_mask_is_the_documented_philox(run_on, executor, shape, op):
+def test_dropout_mask_is_the_documented_formula(run_on, executor, shape, op):
     """The kernels' mask element by element against the formula in docs/numerics.md, and rows /
     columns that differ (a mask drawn from one key per row, or per column, repeats)."""
     seed, p = 20261126 + len(op), 0.4

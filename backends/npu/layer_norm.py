@@ -17,10 +17,10 @@ The fused residual path (add-norm) runs the same kernels with ``ADD`` on, as on 
 dropout(x) + residual is formed, stored and normalized; the backward adds h's incoming gradient,
 stores the residual's gradient and regenerates the dropout mask from the seed.
 
-(*) The dropout draw of element (row, col) is Philox with 32-bit counters: counter col, key seed
-with row xor-ed into its high word. triton-ascend has no 64-bit Philox (its umulhi takes 32-bit
-operands only), so ``tl.rand(seed, row * N + col)`` with int64 offsets does not compile for Ascend;
-the row in the key keeps draws distinct for every (row, col) however many elements there are.
+(*) The dropout draw of element (row, col) is the hash of (seed ^ (row << 32), col)
+(``common.hash_uniform``, docs/numerics.md): 32-bit integer operations only, which Ascend's compiler
+vectorizes (``tl.rand``'s Philox became scalar loops there); the row in the key keeps draws distinct
+for every (row, col) however many elements there are.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def _fwd_rows_kernel(
             key = tl.broadcast_to((seed ^ (rows64 << 32))[:, None], (ROWS, WIDTH))  # each row's key (*)
             offs = tl.broadcast_to(cols[None, :], (ROWS, WIDTH))
             h = residual_in(x, R + rows64[:, None] * stride_r + cols[None, :], mask, key, offs, p, scale,
-                            HAS_R, DROPOUT).to(H.dtype.element_ty)  # fmt: skip
+                            HAS_R, DROPOUT, True).to(H.dtype.element_ty)  # fmt: skip
             tl.store(H + rows64[:, None] * stride_h + cols[None, :], h, mask=mask)
             x = h.to(tl.float32)
         if IS_RMS:
@@ -142,7 +142,7 @@ def _fwd_kernel(
         row64 = tl.cast(row, tl.int64)
         x_row = X + row64 * stride_x
         y_row = Y + row64 * stride_y
-        key = seed ^ (row64 << 32)  # dropout: this row's Philox key (*)
+        key = seed ^ (row64 << 32)  # dropout: this row's key (*)
         # Statistics of x - shift, shift = x[row, 0] (+ residual[row, 0]): exact differences,
         # accurate for large means; merged tile by tile with Chan's formula. RMSNorm sums squares.
         if IS_RMS:
@@ -159,7 +159,7 @@ def _fwd_kernel(
             x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
             if ADD:
                 h = residual_in(x, R + row64 * stride_r + offs, mask, key, offs, p,
-                                scale, HAS_R, DROPOUT).to(H.dtype.element_ty)  # fmt: skip
+                                scale, HAS_R, DROPOUT, True).to(H.dtype.element_ty)  # fmt: skip
                 tl.store(H + row64 * stride_h + offs, h, mask=mask)
                 x = h.to(tl.float32)
             if IS_RMS:
@@ -178,8 +178,8 @@ def _fwd_kernel(
             mask = offs < N
             x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
             if ADD:
-                x = residual_in(x, R + row64 * stride_r + offs, mask, key, offs, p,
-                                scale, HAS_R, DROPOUT).to(H.dtype.element_ty).to(tl.float32)  # fmt: skip
+                x = residual_in(x, R + row64 * stride_r + offs, mask, key, offs, p, scale, HAS_R, DROPOUT,
+                                True).to(H.dtype.element_ty).to(tl.float32)  # fmt: skip
             y = normalize(x - shift, mean, rstd, mask, IS_RMS)
             if HAS_W:
                 y = y * tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
@@ -255,7 +255,7 @@ def _bwd_rows_kernel(
         offs = tl.broadcast_to(cols[None, :], (ROWS, WIDTH))
         dx = residual_grad(dx, DH + rows64[:, None] * stride_dh + cols[None, :],
                            DRES + rows64[:, None] * stride_dres + cols[None, :], mask, key, offs, p, scale,
-                           HAS_DH, HAS_DRES, DROPOUT)  # fmt: skip
+                           HAS_DH, HAS_DRES, DROPOUT, True)  # fmt: skip
         tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         if HAS_W:
             dw += tl.sum(dy * xhat, axis=0)
@@ -360,7 +360,7 @@ def _bwd_dx_kernel(
         row_start = chunk * rows_per_chunk
         for row in range(row_start, tl.minimum(row_start + rows_per_chunk, M)):
             row64 = tl.cast(row, tl.int64)
-            key = seed ^ (row64 << 32)  # dropout: this row's Philox key (*)
+            key = seed ^ (row64 << 32)  # dropout: this row's key (*)
             x = tl.load(X + row64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
             dy = tl.load(DY + row64 * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
             rstd = tl.load(Rstd + row)
@@ -378,7 +378,7 @@ def _bwd_dx_kernel(
             else:
                 dx = (wdy - (xhat * tl.load(C1 + row) + tl.load(C2 + row))) * rstd
             dx = residual_grad(dx, DH + row64 * stride_dh + cols, DRES + row64 * stride_dres + cols,
-                               mask, key, cols, p, scale, HAS_DH, HAS_DRES, DROPOUT)  # fmt: skip
+                               mask, key, cols, p, scale, HAS_DH, HAS_DRES, DROPOUT, True)  # fmt: skip
             tl.store(DX + row64 * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
             if HAS_W:
                 dw += dy * xhat

@@ -89,24 +89,32 @@ def _fmix32(h):
 
 
 @triton.jit
+def row_key(seed, row):
+    """The dropout hash's per-row word (scalar ``row``, or a vector of rows): for the 64-bit key
+    seed ^ (row << 32), K = fmix32(key_hi ^ 0x5BD1E995) ^ key_lo, in uint32 (the 64-bit seed is
+    split once; no 64-bit vector math, which Ascend's compiler runs as scalar loops)."""
+    seed = tl.cast(seed, tl.int64)
+    lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+    hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32) ^ tl.cast(row, tl.uint32)
+    return _fmix32(hi ^ 0x5BD1E995) ^ lo
+
+
+@triton.jit
 def hash_uniform(key, col):
-    """A uniform draw in [0, 1) (fp32, multiples of 2^-24) for element ``col`` of the row keyed
-    ``key`` (int64; seed ^ (row << 32)): 32-bit low multiplies, xors, shifts and adds only, which
-    Ascend's compiler keeps as vector code (Philox's high multiply becomes scalar loops there;
-    docs/numerics.md, "Dropout"). The formula, as ``normkit.rng.keep_mask`` computes it in torch:
-    h = fmix32(fmix32(col * 0x9E3779B1 + key_lo) ^ fmix32(key_hi ^ 0x5BD1E995)), u = (h >> 8) / 2^24."""
-    key = key.to(tl.int64)
-    lo = (key & 0xFFFFFFFF).to(tl.uint32)
-    hi = ((key >> 32) & 0xFFFFFFFF).to(tl.uint32)
-    h = _fmix32(col.to(tl.uint32) * 0x9E3779B1 + lo)
-    h = _fmix32(h ^ _fmix32(hi ^ 0x5BD1E995))
+    """A uniform draw in [0, 1) (fp32, multiples of 2^-24) for element ``col`` of the row whose
+    :func:`row_key` is ``key``: u = (fmix32(col * 0x9E3779B1 ^ K) >> 8) / 2^24 (docs/numerics.md,
+    "Dropout"; ``normkit.rng`` computes the same in torch). 32-bit low multiplies, xors and shifts
+    only, which Ascend's compiler keeps as vector code (Philox's high multiply becomes scalar loops
+    there)."""
+    h = _fmix32((col.to(tl.uint32) * 0x9E3779B1) ^ key)
     return (h >> 8).to(tl.int32).to(tl.float32) * 5.9604644775390625e-08
 
 
 @triton.jit
 def _keep(seed, offsets, p, HASH: tl.constexpr):
-    """Dropout's keep decision: the hash (``HASH``: the NPU kernels, key seed ^ (row << 32), offsets
-    the columns) or Philox (the CUDA kernels: ``tl.rand(seed, row * N + col)``)."""
+    """Dropout's keep decision: the hash (``HASH``: the NPU kernels; ``seed`` the row's
+    :func:`row_key`, ``offsets`` the columns) or Philox (the CUDA kernels: ``tl.rand(seed, row * N +
+    col)``)."""
     if HASH:
         return hash_uniform(seed, offsets) >= p
     return tl.rand(seed, offsets) >= p

@@ -16,8 +16,8 @@ NPU_I = "npu-kernels-interpreter"
 CUDA_I = "cuda-kernels-interpreter"
 
 
-_ROWS_KEY = "key = tl.broadcast_to((seed ^ (rows64 << 32))[:, None], (ROWS, WIDTH))"
-_ONE_KEY = "key = tl.broadcast_to((seed + 0 * rows64)[:, None], (ROWS, WIDTH))"
+_ROWS_KEY = "key = tl.broadcast_to(row_key(seed, rows)[:, None], (ROWS, WIDTH))"
+_ONE_KEY = "key = tl.broadcast_to(row_key(seed, 0 * rows)[:, None], (ROWS, WIDTH))"
 
 
 def _k(*words: str) -> tuple[str, str]:
@@ -106,9 +106,9 @@ MUTANTS = [
            "rstd = 1.0 / tl.sqrt(m2 * inv_n + eps)", "rstd = 1.0 / (tl.sqrt(m2 * inv_n) + eps)",
            (LN, *_k("test_matches_reference", NPU_I)), what="1 / (sqrt(var) + eps)"),
     Mutant("npu-dropout-one-key", "backends/npu/layer_norm.py", "_fwd_kernel",
-           "key = seed ^ (row64 << 32)", "key = seed + 0 * row64",
-           (ADD, *_k(NPU_I, "documented_formula")), also=(("_bwd_dx_kernel", "key = seed ^ (row64 << 32)",
-                                                 "key = seed + 0 * row64"),),
+           "key = row_key(seed, row)", "key = row_key(seed, 0 * row)",
+           (ADD, *_k(NPU_I, "documented_formula")), also=(("_bwd_dx_kernel", "key = row_key(seed, row)",
+                                                 "key = row_key(seed, 0 * row)"),),
            what="every row's dropout mask drawn from one key (forward and backward alike)"),
     Mutant("npu-row-chunks-drop-tail", "backends/npu/config.py", "row_chunks",
            "chunks = -(-M // per_chunk) if M else 0", "chunks = M // per_chunk if M else 0",

@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # Ascend compile check (no NPU, no CANN needed): compiles every kernel of backends/npu/ with
 # triton-ascend for npu/Ascend910B4, in every variant the NPU backend launches (each dtype and flag
-# combination, recorded from the public API), through the last stage that runs without CANN
-# (ttadapter). How variants are found and what counts as a pass: ci/npu_compile_check.py.
+# combination, recorded from the public API), through the last stage of triton-ascend that runs
+# without CANN (ttadapter): ci/npu_compile_check.py. Then stage 2, Ascend's own compiler through UB
+# planning on each distinct variant (no scalar loops, UB within budget): ci/npu_stage2.py.
 #
 # triton-ascend replaces the `triton` module, so it gets its own virtualenv, cached under
 # ${XDG_CACHE_HOME:-$HOME/.cache}/normkit-ci/ and keyed by a hash of
 # ci/npu-compile-check.requirements.txt and the Python version; rebuilt when missing or broken.
 # normkit is not installed there: the check imports it from this checkout.
 #
-# Usage: bash ci/npu-compile-check.sh [--jobs N] [--manifest PATH]   (passed to npu_compile_check.py)
+# Usage: bash ci/npu-compile-check.sh [--jobs N]   (passed to npu_compile_check.py; stage 2's jobs:
+# STAGE2_JOBS, default 2)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$SECONDS
@@ -28,6 +30,8 @@ from triton.backends.ascend import compiler
 assert int(numpy.__version__.split(".")[0]) < 2
 assert importlib.util.find_spec("torch_npu") is None
 assert os.access(os.path.join(os.path.dirname(compiler.__file__), "triton-adapter-opt"), os.X_OK)
+import ascendnpuir
+assert os.access(os.path.join(os.path.dirname(ascendnpuir.__file__), "bin", "bishengir-compile"), os.X_OK)
 EOF
 }
 
@@ -53,5 +57,13 @@ flock -u 9
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 env -u TRITON_INTERPRET TRITON_HOME="$tmp" TRITON_CACHE_DIR="$tmp/cache" \
-  "$venv/bin/python" ci/npu_compile_check.py "$@"
-echo "== npu compile check: ${SECONDS}s in all"
+  "$venv/bin/python" ci/npu_compile_check.py --manifest "$tmp/npu-launches.json" "$@"
+echo "== npu compile check (stage 1): ${SECONDS}s"
+# Stage 2: Ascend's compiler (bishengir-compile) through UB planning on each distinct variant of the
+# same manifest: no scalar loops, UB within budget (ci/npu_stage2.py). Self-test first.
+stage2() {
+  env -u TRITON_INTERPRET TRITON_HOME="$tmp" "$venv/bin/python" ci/npu_stage2.py "$@"
+}
+stage2 --selftest
+stage2 --manifest "$tmp/npu-launches.json" --jobs "${STAGE2_JOBS:-2}"
+echo "== npu compile check (stages 1 and 2): ${SECONDS}s in all"

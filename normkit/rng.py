@@ -1,6 +1,10 @@
 """The dropout hash of the fused add-norms, in torch: element (row, col) of an (M, N) mask is kept
-where ``u(seed ^ (row << 32), col) >= p`` (docs/numerics.md, "Dropout"). The NPU kernels
-(``backends/common.py::hash_uniform``) and the reference backend draw the same bits."""
+where ``u(row, col) >= p`` (docs/numerics.md, "Dropout"). The NPU kernels
+(``backends/common.py``: ``row_key``, ``hash_uniform``) and the reference backend draw the same bits:
+
+    key = seed ^ (row << 32);  K = fmix32(key_hi ^ 0x5BD1E995) ^ key_lo
+    u = (fmix32(col * 0x9E3779B1 ^ K) >> 8) * 2^-24      (uint32 arithmetic, products wrap)
+"""
 
 from __future__ import annotations
 
@@ -22,10 +26,9 @@ def uniform(seed: int, rows: int, cols: int, device=None) -> torch.Tensor:
     """(rows, cols) fp32 draws in [0, 1), multiples of 2^-24."""
     row = torch.arange(rows, dtype=torch.int64, device=device)
     key = torch.bitwise_xor(torch.tensor(seed, dtype=torch.int64, device=device), row << 32)
-    lo, hi = key & _M32, (key >> 32) & _M32
+    k = _fmix32(((key >> 32) & _M32) ^ 0x5BD1E995) ^ (key & _M32)
     col = torch.arange(cols, dtype=torch.int64, device=device)
-    h = _fmix32((col[None, :] * 0x9E3779B1 + lo[:, None]) & _M32)
-    h = _fmix32(h ^ _fmix32(hi ^ 0x5BD1E995)[:, None])
+    h = _fmix32(((col[None, :] * 0x9E3779B1) & _M32) ^ k[:, None])
     return (h >> 8).to(torch.float32) * 2.0**-24
 
 

@@ -269,9 +269,8 @@ def _fmix32(h: int) -> int:
 
 def _hash_uniform(key: int, col: int) -> float:
     """The NPU kernels' and the reference's draw (docs/numerics.md), in Python integers."""
-    lo, hi = key & _U32, (key >> 32) & _U32
-    h = _fmix32(_fmix32((col * 0x9E3779B1 + lo) & _U32) ^ _fmix32(hi ^ 0x5BD1E995))
-    return (h >> 8) / 2.0**24
+    k = _fmix32(((key >> 32) & _U32) ^ 0x5BD1E995) ^ (key & _U32)
+    return (_fmix32(((col * 0x9E3779B1) & _U32) ^ k) >> 8) / 2.0**24
 
 
 def documented_keep(backend: str, shape, p: float, seed: int) -> torch.Tensor:

@@ -6,8 +6,9 @@ Facts behind them (docs/backends.md has the sources):
   and loop over rows (or tiles) inside.
 - The runtime rejects grids above 65535 programs: every grid goes through :func:`persistent_grid`,
   which checks it.
-- The Unified Buffer (UB) is 192 KB, halved by default double-buffering: ~96 KB for all tiles live
-  at once. Each kernel documents its budget as tiles x BLOCK_SIZE x 4 bytes (fp32 math).
+- The Unified Buffer (UB) is 192 KB. What Ascend's compiler plans for each kernel variant, double
+  buffering included, is measured in CI (ci/npu_stage2.py: at most 176 KB) and noted on each kernel
+  (docs/backends.md has the table).
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-# Column tile: 1024 fp32 elements = 4 KB, so even the backward's 6 live tiles (24 KB) stay well
-# inside the ~96 KB double-buffered UB budget; it is the tile vllm-ascend's and triton-ascend's own
-# norm kernels use, and a power of two as tl.arange requires. Longer rows loop over tiles.
+# Column tile: 1024 elements, the tile vllm-ascend's and triton-ascend's own norm kernels use, and a
+# power of two as tl.arange requires; longer rows loop over tiles. Planned UB with it: 12-173 KB a
+# kernel (docs/backends.md, stage 2 table).
 BLOCK_SIZE = 1024
 
 # Vector cores when the NPU kernels run on another executor (the CUDA GPU in tests), where there is

@@ -18,9 +18,9 @@ dropout(x) + residual is formed, stored and normalized; the backward adds h's in
 stores the residual's gradient and regenerates the dropout mask from the seed.
 
 (*) The dropout draw of element (row, col) is the hash of (seed ^ (row << 32), col)
-(``common.hash_uniform``, docs/numerics.md): 32-bit integer operations only, which Ascend's compiler
-vectorizes (``tl.rand``'s Philox became scalar loops there); the row in the key keeps draws distinct
-for every (row, col) however many elements there are.
+(``common.row_key``, ``common.hash_uniform``, docs/numerics.md): 32-bit integer operations only,
+which Ascend's compiler vectorizes (``tl.rand``'s Philox became scalar loops there); the row in the
+key keeps draws distinct for every (row, col) however many elements there are.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from normkit.backends.common import chan_merge, normalize, residual_grad, residual_in
+from normkit.backends.common import chan_merge, normalize, residual_grad, residual_in, row_key
 from normkit.backends.npu import config
 from normkit.backends.npu.reduce import param_sums
 from normkit.backends.row_norm_contract import row_norm_contract
@@ -65,9 +65,10 @@ def _fwd_rows_kernel(
     HAS_R: tl.constexpr,
     DROPOUT: tl.constexpr,
 ):
-    # Each row is read once: statistics and output from the tile held in UB (measured UB: the table in
-    # docs/backends.md). Statistics of x - x[row, 0] (exact differences, accurate for large means),
-    # then the mean-centred sum of squares of the held values.
+    # Each row is read once: statistics and output from the tile held in UB (planned by
+    # bishengir-compile, ci/npu_stage2.py, 2026-11-26, with dropout: 106.2 KB for 64 rows of 16 a tile,
+    # 118.7 KB for one row of 1024). Statistics of
+    # x - x[row, 0] (exact differences, accurate for large means), then the mean-centred sum of squares.
     cols = tl.arange(0, WIDTH)
     cmask = cols < N
     if HAS_W:
@@ -81,7 +82,7 @@ def _fwd_rows_kernel(
         mask = rmask[:, None] & cmask[None, :]
         x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if ADD:
-            key = tl.broadcast_to((seed ^ (rows64 << 32))[:, None], (ROWS, WIDTH))  # each row's key (*)
+            key = tl.broadcast_to(row_key(seed, rows)[:, None], (ROWS, WIDTH))  # each row's key (*)
             offs = tl.broadcast_to(cols[None, :], (ROWS, WIDTH))
             h = residual_in(x, R + rows64[:, None] * stride_r + cols[None, :], mask, key, offs, p, scale,
                             HAS_R, DROPOUT, True).to(H.dtype.element_ty)  # fmt: skip
@@ -135,14 +136,14 @@ def _fwd_kernel(
     HAS_R: tl.constexpr,
     DROPOUT: tl.constexpr,
 ):
-    # UB as planned by bishengir-compile (ci/npu_stage2.py, 2026-11-26): up to 96.8 KB without dropout
-    # (add-norm, weight and bias), 188.2 KB with dropout, whose tl.rand runs as 32 scalar loops a tile.
+    # UB (planned by bishengir-compile, ci/npu_stage2.py, 2026-11-26): up to 96.8 KB without dropout
+    # (add-norm, weight and bias), 172.9 KB with dropout (the hash drawn in both sweeps).
     cols = tl.arange(0, BLOCK_SIZE)
     for row in range(tl.program_id(0), M, tl.num_programs(0)):
         row64 = tl.cast(row, tl.int64)
         x_row = X + row64 * stride_x
         y_row = Y + row64 * stride_y
-        key = seed ^ (row64 << 32)  # dropout: this row's key (*)
+        key = row_key(seed, row)  # dropout: this row's key (*)
         # Statistics of x - shift, shift = x[row, 0] (+ residual[row, 0]): exact differences,
         # accurate for large means; merged tile by tile with Chan's formula. RMSNorm sums squares.
         if IS_RMS:
@@ -221,7 +222,9 @@ def _bwd_rows_kernel(
     DROPOUT: tl.constexpr,
 ):
     # One launch for dx and the partial parameter sums, each row of x and dy read once: the row terms
-    # c1, c2 come from the tile held in UB. The partials are summed by one reduce launch.
+    # c1, c2 come from the tile held in UB (planned, with dropout: 116.3 KB for 64 rows of 16, 114.5 KB
+    # for one row of 1024; ci/npu_stage2.py).
+    # The partials are summed by one reduce launch.
     cols = tl.arange(0, WIDTH)
     cmask = cols < N
     if HAS_W:
@@ -251,7 +254,7 @@ def _bwd_rows_kernel(
         else:
             c2 = tl.sum(wdy, axis=1) * inv_n
             dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
-        key = tl.broadcast_to((seed ^ (rows64 << 32))[:, None], (ROWS, WIDTH))  # each row's key (*)
+        key = tl.broadcast_to(row_key(seed, rows)[:, None], (ROWS, WIDTH))  # each row's key (*)
         offs = tl.broadcast_to(cols[None, :], (ROWS, WIDTH))
         dx = residual_grad(dx, DH + rows64[:, None] * stride_dh + cols[None, :],
                            DRES + rows64[:, None] * stride_dres + cols[None, :], mask, key, offs, p, scale,
@@ -346,8 +349,7 @@ def _bwd_dx_kernel(
     HAS_DRES: tl.constexpr,
     DROPOUT: tl.constexpr,
 ):
-    # UB as planned by bishengir-compile (ci/npu_stage2.py, 2026-11-26): up to 184.0 KB (with dropout,
-    # whose tl.rand runs as 16 scalar loops a tile).
+    # UB (planned by bishengir-compile, ci/npu_stage2.py, 2026-11-26): up to 120.1 KB (with dropout).
     tiles = tl.cdiv(N, BLOCK_SIZE)
     for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
         chunk = item // tiles
@@ -360,7 +362,7 @@ def _bwd_dx_kernel(
         row_start = chunk * rows_per_chunk
         for row in range(row_start, tl.minimum(row_start + rows_per_chunk, M)):
             row64 = tl.cast(row, tl.int64)
-            key = seed ^ (row64 << 32)  # dropout: this row's key (*)
+            key = row_key(seed, row)  # dropout: this row's key (*)
             x = tl.load(X + row64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
             dy = tl.load(DY + row64 * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
             rstd = tl.load(Rstd + row)

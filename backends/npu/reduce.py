@@ -20,7 +20,7 @@ def _sum_partials_kernel(
     BLOCK_SIZE: tl.constexpr,
     TWO: tl.constexpr,  # dweight and dbias in one launch
 ):
-    # UB (planned by bishengir-compile, ci/npu_stage2.py, 2026-11-26): up to 18.0 KB (one set).
+    # UB (planned by bishengir-compile, ci/npu_stage2.py, 2026-11-26): up to 34.0 KB (two sets).
     # Rows are added in order 0..G-1.
     for tile in range(tl.program_id(0), tl.cdiv(N, BLOCK_SIZE), tl.num_programs(0)):
         cols = tile * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)

@@ -204,9 +204,13 @@ class Recorder:
         entry["launches"] += 1
 
 
-# Row lengths of the row-norm cases: whole rows in one tile (several a tile), and rows that loop over
-# BLOCK_SIZE column tiles (config.packed_rows); 1040 = 65 x 16 keeps row strides 16-element aligned.
-ROW_LENGTHS = (8, 1040)
+# Row lengths of the row-norm cases (config.resident_rows): rows held in UB, 64 a tile (8) and one
+# row of the widest tile (2000 in 2048, the most UB; with dropout 1000 in 1024), and rows that loop
+# over BLOCK_SIZE column tiles (2064 > config.ROW_NORM_WIDTH). Softmax likewise with its limit
+# (config.SOFTMAX_WIDTH). Multiples of 16 keep row strides 16-element aligned.
+ROW_LENGTHS = (8, 2000, 2064)
+DROPOUT_ROW_LENGTHS = (8, 1000, 2064)
+SOFTMAX_LENGTHS = (8, 4000, 4112)
 
 
 def record_cases(normkit, dtypes):
@@ -251,7 +255,9 @@ def record_cases(normkit, dtypes):
             dropouts = {"p=0": (0.0, None), "p=0.1 seed=i32": (0.1, 1234), "p=0.1 seed=i64": (0.1, 2**40 + 1)}
             for op, (res, rdt), rdtype, (drop, (p, seed)), prenorm, (w, b), n in itertools.product(
                     ("add_layer_norm", "add_rms_norm"), residuals.items(), (None, f32), dropouts.items(),
-                    (False, True), flags, ROW_LENGTHS):  # fmt: skip
+                    (False, True), flags, sorted({*ROW_LENGTHS, *DROPOUT_ROW_LENGTHS})):  # fmt: skip
+                if n not in (DROPOUT_ROW_LENGTHS if p else ROW_LENGTHS):
+                    continue
                 if op == "add_rms_norm" and not b:
                     continue  # no bias: the b=True and b=False cases are the same call
                 label = (f"{op} {pre} N={n} residual={res} residual_dtype={rdtype and 'fp32'} {drop} "
@@ -268,7 +274,9 @@ def record_cases(normkit, dtypes):
 
                 yield label, add_norm
         for op in ("softmax", "log_softmax"):
-            yield (f"{op} x={name}", lambda op=op, dt=dt: backward(getattr(F, op)(t((2, 3, 8), dt), dim=-1)))
+            for n in SOFTMAX_LENGTHS:
+                yield (f"{op} x={name} N={n}",
+                       lambda op=op, dt=dt, n=n: backward(getattr(F, op)(t((2, 3, n), dt), dim=-1)))
 
 
 def record(manifest: Path) -> dict:

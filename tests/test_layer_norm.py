@@ -27,8 +27,11 @@ DEVICE_SHAPES = [(m, n) for m in (1, 3, 128, 1151) for n in (1, 7, 1023, 1024, 1
 # edges, multi-tile NPU rows, the CUDA looped path at 40999 > FUSED_MAX_N_BWD), kept small for CI.
 INTERPRETER_SHAPES = [(1, 1), (3, 7), (1151, 7), (3, 1023), (1, 1024), (2, 1025), (2, 4096), (2, 40999)]
 # The NPU kernels' many-rows cases over the interpreter's 4 programs: 67 short rows packed 64 a tile
-# (two tiles, the second of 3 rows), and 5 rows of column tiles in backward row chunks of 2, 2, 1.
-NPU_INTERPRETER_SHAPES = [{(1151, 7): (67, 7), (2, 1025): (5, 1025)}.get(s, s) for s in INTERPRETER_SHAPES]
+# (two tiles, the second of 3 rows), 5 rows held whole in UB (1025 in a tile of 2048: one row a tile,
+# a program takes two), and 5 rows looping over column tiles (4096 > config.ROW_NORM_WIDTH) in
+# backward row chunks of 2, 2, 1.
+NPU_INTERPRETER_SHAPES = [{(1151, 7): (67, 7), (2, 1025): (5, 1025), (2, 4096): (5, 4096)}.get(s, s)
+                          for s in INTERPRETER_SHAPES]  # fmt: skip
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -82,7 +85,8 @@ def _strided_inputs(kind, m, n, dtype, device, op):
 
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("kind", ["row-strided", "transposed", "expanded"])
-@pytest.mark.parametrize("executor,shape", executor_params([((5, 1025),)], [((129, 4097),)]))
+@pytest.mark.parametrize("executor,shape", executor_params(
+    [((5, 1025),)], [((129, 4097),)], [((5, 1025),), ((3, 2100),)]))  # NPU: rows held in UB, and looped
 def test_non_contiguous(run_on, executor, shape, kind, op):
     with run_on(executor, torch.float32):
         inputs = _strided_inputs(kind, *shape, torch.float32, executor.device, op)

@@ -57,8 +57,10 @@ def padded(monkeypatch):
 
 @pytest.mark.parametrize("op", ROW_OPS + list(CHANNEL_OPS))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
-@pytest.mark.parametrize("executor,shape", executor_params([((3, 1100),), ((5, 7),)],
-                                                           [((3, 1100),), ((65, 40999),)]))  # fmt: skip
+# NPU: rows held in UB (1100, 7: packed) and rows longer than config.ROW_NORM_WIDTH (2100)
+@pytest.mark.parametrize("executor,shape", executor_params(
+    [((3, 1100),), ((5, 7),)], [((3, 1100),), ((65, 40999),)],
+    [((3, 1100),), ((3, 2100),), ((5, 7),)]))  # fmt: skip
 def test_outputs_stay_inside_their_buffers(run_on, padded, executor, shape, dtype, op):
     """Forward and backward against fp64, every output buffer's padding unchanged (rows with a
     ragged last tile: 1100 = 1024 + 76 on the NPU kernels, a masked tile on CUDA's)."""

@@ -34,11 +34,23 @@ FALLBACK_VECTOR_CORES = 40
 INTERPRETER_CORES = 4
 
 MAX_GRID = 65535
-# Rows of at most BLOCK_SIZE elements are held whole in one tile of BLOCK_SIZE elements: ROWS rows of
-# WIDTH columns, WIDTH = N rounded up to a power of two (at least MIN_WIDTH: 64-byte fp32 rows, the
-# vector unit's block), so a row is read from HBM once in the forward and once in the backward and rows
-# shorter than BLOCK_SIZE / 2 share a tile instead of padding one each (docs/backends.md, UB table).
+# Rows that fit are held whole in UB: one HBM read of each row in the forward and one in the backward.
+# A tile is ROWS rows of WIDTH columns, WIDTH = N rounded up to a power of two (at least MIN_WIDTH:
+# 64-byte fp32 rows, the vector unit's block). Rows shorter than BLOCK_SIZE / 2 share a tile of
+# BLOCK_SIZE elements instead of padding one each; a longer row that fits is one tile of WIDTH, i.e.
+# its WIDTH / BLOCK_SIZE column tiles at once. Longer rows loop over BLOCK_SIZE column tiles.
 MIN_WIDTH = 16
+# The widest row each kernel family holds, from the UB that bishengir-compile plans for its largest
+# variant (ci/npu_stage2.py, 2026-11-26; budget 176 KB):
+# - the row norms (layer_norm, rms_norm, the add-norms; forward and backward) without dropout: 2048.
+#   Largest at 2048: 148.7 KB (bf16 add-norm forward with weight, bias, residual); at 4096 most
+#   variants plan 176-185 KB.
+ROW_NORM_WIDTH = 2048
+# - with dropout (the hash drawn per element): 1024. At 2048 the fp32 add-norm forward plans 188.8 KB
+#   and the backward with dropout 176.2-180.2 KB.
+ROW_NORM_DROPOUT_WIDTH = 1024
+# - softmax / log_softmax (forward and backward): 4096. Largest at 4096: 88.0 KB (bf16 backward).
+SOFTMAX_WIDTH = 4096
 
 
 @dataclass(frozen=True)
@@ -51,7 +63,7 @@ class LaunchConfig:
 @dataclass(frozen=True)
 class RowsConfig:
     rows: int  # rows a tile
-    width: int  # columns a tile: N rounded up to a power of two; rows * width == BLOCK_SIZE
+    width: int  # columns a tile: N rounded up to a power of two; rows * width == max(width, BLOCK_SIZE)
     grid: tuple[int]
 
 
@@ -102,13 +114,14 @@ def rows(M: int, device: torch.device) -> LaunchConfig:
     return LaunchConfig(BLOCK_SIZE, 1, persistent_grid(M, device))
 
 
-def packed_rows(M: int, N: int, device: torch.device) -> RowsConfig | None:
-    """Whole rows in one tile (N <= BLOCK_SIZE), several a tile when short; None for longer rows,
-    which loop over BLOCK_SIZE column tiles (:func:`rows`). Program p takes tiles p, p + G, ..."""
-    if N > BLOCK_SIZE:
+def resident_rows(M: int, N: int, max_width: int, device: torch.device) -> RowsConfig | None:
+    """Whole rows held in UB: tiles of ROWS rows of WIDTH columns for N <= ``max_width`` (the kernel
+    family's measured limit: ROW_NORM_WIDTH, ROW_NORM_DROPOUT_WIDTH, SOFTMAX_WIDTH); None for longer
+    rows, which loop over BLOCK_SIZE column tiles (:func:`rows`). Program p takes tiles p, p + G, ..."""
+    if N > max_width:
         return None
     width = max(MIN_WIDTH, 1 << max(0, N - 1).bit_length())
-    rows_a_tile = BLOCK_SIZE // width
+    rows_a_tile = max(1, BLOCK_SIZE // width)
     return RowsConfig(rows_a_tile, width, persistent_grid(-(-M // rows_a_tile), device))
 
 

@@ -5,13 +5,14 @@ persistent grid of vector-core count programs looping over rows, fp32 math, only
 both upstream Triton and triton-ascend accept (power-of-two aranges, no pointer selects, no atomics),
 int64 row offsets. RMSNorm shares the kernels through the ``IS_RMS`` constexpr.
 
-Rows of at most BLOCK_SIZE elements (``config.packed_rows``) are held whole, several to a tile when
-short: each row is read from HBM once in the forward and once in the backward, whose one kernel
-writes dx and one fp32 dweight / dbias partial row per program. Longer rows loop over column tiles:
-the forward reads a row twice (statistics, then output); the backward's row sweep computes the two
-dx reduction terms per row, then programs take (row chunk, column tile) work items, write dx and
-one partial row per chunk. ``reduce.param_sums`` adds the partial rows in order, dweight and dbias
-in one launch (deterministic, no atomics).
+Rows of at most ``config.ROW_NORM_WIDTH`` (2048; 1024 with dropout) elements
+(``config.resident_rows``) are held whole in UB, several to a tile when short: each row is read from
+HBM once in the forward and once in the backward, whose one kernel writes dx and one fp32 dweight /
+dbias partial row per program. Longer rows loop over column tiles and are read twice: the forward's
+statistics, then output; the backward's row sweep computes the two dx reduction terms per row, then
+programs take (row chunk, column tile) work items, write dx and one partial row per chunk.
+``reduce.param_sums`` adds the partial rows in order, dweight and dbias in one launch
+(deterministic, no atomics).
 
 The fused residual path (add-norm) runs the same kernels with ``ADD`` on, as on CUDA: h =
 dropout(x) + residual is formed, stored and normalized; the backward adds h's incoming gradient,
@@ -50,14 +51,14 @@ def _fwd_rows_kernel(
     stride_h,
     stride_y,
     M,
-    N,  # at most BLOCK_SIZE: whole rows in one tile (config.packed_rows)
+    N,  # at most config.ROW_NORM_WIDTH (with dropout ROW_NORM_DROPOUT_WIDTH): whole rows in a tile
     inv_n,
     eps,
     seed,  # dropout, as in _fwd_kernel (*)
     p,
     scale,
     ROWS: tl.constexpr,  # rows a tile
-    WIDTH: tl.constexpr,  # columns a tile (N rounded up to a power of two); ROWS * WIDTH = BLOCK_SIZE
+    WIDTH: tl.constexpr,  # columns a tile (N rounded up to a power of two); ROWS * WIDTH >= BLOCK_SIZE
     IS_RMS: tl.constexpr,
     HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
@@ -207,7 +208,7 @@ def _bwd_rows_kernel(
     stride_dx,
     stride_dres,
     M,
-    N,  # at most BLOCK_SIZE (config.packed_rows)
+    N,  # at most config.ROW_NORM_WIDTH (with dropout ROW_NORM_DROPOUT_WIDTH; config.resident_rows)
     inv_n,
     seed,  # dropout, as in the forward
     p,
@@ -393,6 +394,11 @@ def _bwd_dx_kernel(
             tl.store(DB_part + part, db, mask=mask)
 
 
+def _held_width(dropout_p):
+    """The widest row held in UB (config: the hash per element needs more UB)."""
+    return config.ROW_NORM_DROPOUT_WIDTH if dropout_p > 0 else config.ROW_NORM_WIDTH
+
+
 def _dropout_args(dropout_p, seed):
     """(seed, p, scale) kernel arguments; dropout is compiled out when p == 0."""
     return (seed, dropout_p, 1.0 / (1.0 - dropout_p)) if dropout_p > 0 else (0, 0.0, 1.0)
@@ -413,7 +419,7 @@ def _forward(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtype=Non
             *_dropout_args(dropout_p, seed))  # fmt: skip
     flags = dict(IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=bias is not None, ADD=add,
                  HAS_R=residual is not None, DROPOUT=add and dropout_p > 0)  # fmt: skip
-    packed = config.packed_rows(M, N, x.device)
+    packed = config.resident_rows(M, N, _held_width(dropout_p), x.device)
     if packed is not None:
         _fwd_rows_kernel[packed.grid](*args, ROWS=packed.rows, WIDTH=packed.width, **flags)
     else:
@@ -424,9 +430,10 @@ def _forward(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtype=Non
 
 def _backward(dy, x, weight, mean, rstd, bias_dtype, is_rms, dh=None, x_dtype=None,
               residual_dtype=None, dropout_p=0.0, seed=0):  # fmt: skip
-    """-> (dx, dresidual or None, dweight or None, dbias or None); see the CUDA twin. Rows of at most
-    BLOCK_SIZE: one launch for dx and the parameters' partial sums, one to add them up; longer rows:
-    the row terms, then dx and the partial sums by (row chunk, column tile), then the sums."""
+    """-> (dx, dresidual or None, dweight or None, dbias or None); see the CUDA twin. Rows held in UB
+    (_held_width): one launch for dx and the parameters' partial sums, one to add
+    them up; longer rows: the row terms, then dx and the partial sums by (row chunk, column tile),
+    then the sums (each row read twice: it does not fit in UB)."""
     M, N = x.shape
     has_w, has_db = weight is not None, bias_dtype is not None
     w = weight if has_w else x
@@ -436,7 +443,7 @@ def _backward(dy, x, weight, mean, rstd, bias_dtype, is_rms, dh=None, x_dtype=No
     dres_ = dres if dres is not None else dx
     flags = dict(IS_RMS=is_rms, HAS_W=has_w, HAS_DB=has_db, HAS_DH=dh is not None, HAS_DRES=dres is not None,
                  DROPOUT=dropout_p > 0)  # fmt: skip
-    packed = config.packed_rows(M, N, x.device)
+    packed = config.resident_rows(M, N, _held_width(dropout_p), x.device)
     if packed is not None:
         parts = packed.grid[0]
     else:

@@ -8,9 +8,10 @@ what is left. A call is served only where torch's operator gives normkit's docum
 (docs/numerics.md, "Deliberate differences" in docs/testing.md):
 
 - layer_norm, softmax / log_softmax, group_norm, instance_norm, batch_norm: torch's operator
-  (fp32 math for 16-bit inputs, one rounding, as normkit's kernels); a 16-bit LayerNorm whose
-  weight or bias gets a gradient, and a 16-bit GroupNorm that gets any, run torch's operator on
-  fp32 copies (its 16-bit CPU backward loses the accuracy normkit promises: docs/performance.md);
+  (fp32 math for 16-bit inputs, one rounding, as normkit's kernels); a 16-bit LayerNorm that gets
+  any gradient keeps fp32 statistics and sums dweight / dbias in fp32 (``_HalfLayerNorm``), and a
+  16-bit GroupNorm that gets any gradient runs torch's operator on fp32 copies (torch's 16-bit CPU
+  backward loses the accuracy normkit promises there: docs/performance.md);
 - rms_norm: torch's; a 16-bit input with an fp32 weight explicitly in fp32, rounded once (torch
   2.13's CPU operator rounds once too: tests/test_cpu.py checks the result, not the route);
 - add_layer_norm / add_rms_norm without dropout: ``x + residual`` then the norm above (dropout
@@ -20,7 +21,7 @@ Left to the full path: anything normkit refuses or treats differently from torch
 nan, or not a float; empty tensors; groups of one value; a bias without a weight in GroupNorm /
 InstanceNorm, whose backward fails in torch), and anything torch's operator refuses (its error is
 dropped; the full path raises normkit's). The checks cost ~0.5 us a call on the 2-core CI machine.
-Autograd, double backward included, is torch's own.
+Autograd, double backward included, is torch's own (``_HalfLayerNorm``'s: the fp32 route).
 """
 
 from __future__ import annotations
@@ -74,11 +75,68 @@ def _f32(t):
     return None if t is None else t.float()
 
 
+# Rows of a chunk in _HalfLayerNorm's parameter sums: fp32 temporaries of about 1 MB stay in cache.
+_PARAM_CHUNK = 1 << 18
+
+
+class _HalfLayerNorm(torch.autograd.Function):
+    """A 16-bit LayerNorm that gets any gradient. torch's CPU operator, given fp32 parameters (ones for
+    a missing weight), gives y with fp32 math rounded once and fp32 mean / rstd, and from those a dx
+    within 0.5 ulp; with 16-bit parameters it saves 16-bit statistics (dx 49 ulps off for rows of 8
+    around 300) and sums dweight / dbias in 16-bit (bf16, 8192 x 1024: 12.6% off). So dx is torch's
+    from fp32 statistics, and dweight / dbias are summed here in fp32, a chunk of rows at a time.
+    With create_graph, the backward is the fp32 route, which autograd differentiates."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, shape, eps):
+        w32 = torch.ones(shape, dtype=torch.float32) if weight is None else weight.float()
+        y, mean, rstd = torch.native_layer_norm(x, shape, w32, _f32(bias), eps)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        ctx.shape, ctx.eps = shape, eps
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        want = ctx.needs_input_grad[:3]
+        if torch.is_grad_enabled():  # create_graph=True: gradients autograd can differentiate again
+            with torch.enable_grad():
+                leaves = [t if t is None or t.requires_grad else t.detach().requires_grad_()
+                          for t in (x, weight, bias)]  # fmt: skip
+                xl, wl, bl = leaves
+                y = torch.layer_norm(xl.float(), ctx.shape, _f32(wl), _f32(bl), ctx.eps)
+                asked = [t for t, w in zip(leaves, want) if t is not None and w]
+                got = iter(torch.autograd.grad(y, asked, dy.float(), create_graph=True, allow_unused=True))
+            # (each in its tensor's dtype: the casts to fp32 are differentiated too)
+            return (*[next(got) if t is not None and w else None for t, w in zip(leaves, want)], None, None)
+        dx = dw = db = None
+        if want[0]:
+            w32 = torch.ones(ctx.shape, dtype=torch.float32) if weight is None else weight.float()
+            dx = torch.ops.aten.native_layer_norm_backward(
+                dy, x, ctx.shape, mean, rstd, w32, _f32(bias), [True, False, False])[0]  # fmt: skip
+        if want[1] or want[2]:
+            n = math.prod(ctx.shape)
+            x2, dy2 = x.reshape(-1, n), dy.reshape(-1, n)
+            mean2, rstd2 = mean.reshape(-1, 1), rstd.reshape(-1, 1)  # fp32
+            dw32 = torch.zeros(n, dtype=torch.float32) if want[1] else None
+            db32 = torch.zeros(n, dtype=torch.float32) if want[2] else None
+            step = max(1, _PARAM_CHUNK // n)
+            for i in range(0, x2.shape[0], step):
+                dyc = dy2[i : i + step].float()
+                if db32 is not None:
+                    db32 += dyc.sum(0)
+                if dw32 is not None:
+                    xhat = (x2[i : i + step].float() - mean2[i : i + step]).mul_(rstd2[i : i + step])
+                    dw32 += xhat.mul_(dyc).sum(0)
+            dw = None if dw32 is None else dw32.view(weight.shape).to(weight.dtype)
+            db = None if db32 is None else db32.view(bias.shape).to(bias.dtype)
+        return dx, dw, db, None, None
+
+
 def _layer_norm(input, shape, weight, bias, eps):
-    """torch's layer_norm; for a 16-bit input whose weight or bias gets a gradient, in fp32 and rounded
-    once: torch's CPU backward sums dweight / dbias in 16-bit (bf16, 8192 x 1024: 12.6% off)."""
-    if input.dtype in _HALF and _differentiated(weight, bias):
-        return torch.layer_norm(input.float(), shape, _f32(weight), _f32(bias), eps).to(input.dtype)
+    """torch's layer_norm; a 16-bit input that gets any gradient: :class:`_HalfLayerNorm`."""
+    if input.dtype in _HALF and _differentiated(input, weight, bias):
+        return _HalfLayerNorm.apply(input, weight, bias, tuple(shape), eps)
     return torch.layer_norm(input, shape, weight, bias, eps)
 
 

@@ -56,6 +56,52 @@ def test_fp32_weights_with_16bit_inputs(no_reference, dtype):
         torch.testing.assert_close(got.double(), want, atol=0, rtol=torch.finfo(dtype).eps * 2)
 
 
+def _rel(got, want):
+    return ((got.double() - want).abs().max() / want.abs().max()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("params", ["16-bit", "fp32", "none"])
+@pytest.mark.parametrize("m,n,mean", [(1151, 1024, 3.0), (256, 8, 300.0)], ids=["1151x1024", "256x8-mean300"])
+def test_16bit_layer_norm_gradients(no_reference, dtype, params, m, n, mean):
+    """A 16-bit LayerNorm that gets gradients (normkit.cpu._HalfLayerNorm: fp32 statistics, torch's dx,
+    dweight / dbias summed in fp32, 1151 rows in chunks of 256): against fp64 torch on the same values,
+    within 2 ulps (torch's 16-bit CPU path: dx 49 ulps off at 256x8 around 300 from its 16-bit
+    statistics), fp32 parameters' gradients to fp32 accuracy (torch sums them in 16-bit: bf16 12.6%
+    off at 8192 rows); then a gradient penalty's second-order gradients."""
+    g = torch.Generator().manual_seed(5)
+    p = {"16-bit": dtype, "fp32": torch.float32, "none": None}[params]
+    x = (torch.randn(m, n, generator=g) * 2 + mean).to(dtype).requires_grad_()
+    w = None if p is None else (torch.rand(n, generator=g) + 0.5).to(p).requires_grad_()
+    b = None if p is None else torch.randn(n, generator=g).to(p).requires_grad_()
+    dy = torch.randn(m, n, generator=g).to(dtype)
+    ins = [t for t in (x, w, b) if t is not None]
+    got = torch.autograd.grad(normkit.layer_norm(x, (n,), w, b), ins, dy)
+    ref = [t.detach().double().requires_grad_() for t in ins]
+    want = torch.autograd.grad(F.layer_norm(ref[0], (n,), *(ref[1:] or (None, None))), ref, dy.double())
+    eps = torch.finfo(dtype).eps
+    assert [t.dtype for t in got] == [t.dtype for t in ins]
+    assert _rel(got[0], want[0]) < 2 * eps, "dx"
+    for name, a, e in zip(("dweight", "dbias"), got[1:], want[1:]):
+        assert _rel(a, e) < (2 * eps if p is dtype else 5e-5), name  # fp32 statistics of rows around 300
+    if p is None or mean > 100:
+        return
+    # second order, on a small case: d/d(x, w, b) of a penalty on the first-order gradients
+    xs, ws, bs = (t.detach()[:16, :64] if t.dim() == 2 else t.detach()[:64] for t in (x, w, b))
+    dys = dy[:16, :64]
+
+    def penalty_grads(fn, ins):
+        g1 = torch.autograd.grad((fn(ins[0], (64,), ins[1], ins[2]) * dys.to(ins[0].dtype)).sum(), ins,
+                                 create_graph=True)  # fmt: skip
+        return torch.autograd.grad(sum((t.float() ** 2).sum() for t in g1), ins, allow_unused=True)
+
+    got2 = penalty_grads(normkit.layer_norm, [t.clone().requires_grad_() for t in (xs, ws, bs)])
+    want2 = penalty_grads(F.layer_norm, [t.double().requires_grad_() for t in (xs, ws, bs)])
+    assert got2[2] is None and want2[2] is None  # the bias's gradient, sum(dy), depends on no input
+    for i, (a, e) in enumerate(zip(got2[:2], want2[:2])):
+        assert _rel(a, e) < 8 * eps, f"second order, input {i}"
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("op", ["softmax", "log_softmax"])
 @pytest.mark.parametrize("shape,dim", [((16, 4096), -1), ((4, 8, 5), 1), ((9,), 0)], ids=str)

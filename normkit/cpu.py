@@ -9,7 +9,8 @@ what is left. A call is served only where torch's operator gives normkit's docum
 
 - layer_norm, softmax / log_softmax, group_norm, instance_norm, batch_norm: torch's operator
   (fp32 math for 16-bit inputs, one rounding, as normkit's kernels); a 16-bit LayerNorm that gets
-  any gradient keeps fp32 statistics and sums dweight / dbias in fp32 (``_HalfLayerNorm``), and a
+  any gradient runs on fp32 copies when small, else keeps fp32 statistics and takes torch's fp32
+  backward a chunk of rows at a time (``_HalfLayerNorm``), and a
   16-bit GroupNorm that gets any gradient takes fp32 parameters (torch's mixed-dtype kernels: fp32
   statistics); with 16-bit parameters torch's CPU backward loses the accuracy normkit promises;
 - rms_norm: torch's; a 16-bit input with an fp32 weight explicitly in fp32, rounded once (torch
@@ -80,12 +81,12 @@ _PARAM_CHUNK = 1 << 18
 
 
 class _HalfLayerNorm(torch.autograd.Function):
-    """A 16-bit LayerNorm that gets any gradient. torch's CPU operator, given fp32 parameters (ones for
-    a missing weight), gives y with fp32 math rounded once and fp32 mean / rstd, and from those a dx
-    within 0.5 ulp; with 16-bit parameters it saves 16-bit statistics (dx 49 ulps off for rows of 8
-    around 300) and sums dweight / dbias in 16-bit (bf16, 8192 x 1024: 12.6% off). So dx is torch's
-    from fp32 statistics, and dweight / dbias are summed here in fp32, a chunk of rows at a time.
-    With create_graph, the backward is the fp32 route, which autograd differentiates."""
+    """A 16-bit LayerNorm that gets any gradient. torch's CPU operator with 16-bit parameters saves
+    16-bit statistics (dx 49 ulps off for rows of 8 around 300) and sums dweight / dbias in 16-bit
+    (bf16, 8192 x 1024: 12.6% off). Given fp32 parameters (ones for a missing weight), its forward
+    keeps fp32 mean / rstd; the backward runs torch's fp32 backward a chunk of rows at a time (fp32
+    copies of about 1 MB), rounds dx into place and adds dweight / dbias up in fp32. With
+    create_graph, the backward is the fp32 route, which autograd differentiates."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, shape, eps):
@@ -109,33 +110,47 @@ class _HalfLayerNorm(torch.autograd.Function):
                 got = iter(torch.autograd.grad(y, asked, dy.float(), create_graph=True, allow_unused=True))
             # (each in its tensor's dtype: the casts to fp32 are differentiated too)
             return (*[next(got) if t is not None and w else None for t, w in zip(leaves, want)], None, None)
-        dx = dw = db = None
-        if want[0]:
-            w32 = torch.ones(ctx.shape, dtype=torch.float32) if weight is None else weight.float()
-            dx = torch.ops.aten.native_layer_norm_backward(
-                dy, x, ctx.shape, mean, rstd, w32, _f32(bias), [True, False, False])[0]  # fmt: skip
-        if want[1] or want[2]:
-            n = math.prod(ctx.shape)
-            x2, dy2 = x.reshape(-1, n), dy.reshape(-1, n)
-            mean2, rstd2 = mean.reshape(-1, 1), rstd.reshape(-1, 1)  # fp32
-            dw32 = torch.zeros(n, dtype=torch.float32) if want[1] else None
-            db32 = torch.zeros(n, dtype=torch.float32) if want[2] else None
-            step = max(1, _PARAM_CHUNK // n)
-            for i in range(0, x2.shape[0], step):
-                dyc = dy2[i : i + step].float()
-                if db32 is not None:
-                    db32 += dyc.sum(0)
-                if dw32 is not None:
-                    xhat = (x2[i : i + step].float() - mean2[i : i + step]).mul_(rstd2[i : i + step])
-                    dw32 += xhat.mul_(dyc).sum(0)
-            dw = None if dw32 is None else dw32.view(weight.shape).to(weight.dtype)
-            db = None if db32 is None else db32.view(bias.shape).to(bias.dtype)
+        # In chunks of rows: torch's fp32 backward of each chunk (fp32 copies of about 1 MB stay in
+        # cache), dx rounded into place, dweight / dbias added up in fp32.
+        n = math.prod(ctx.shape)
+        x2, dy2 = x.reshape(-1, n), dy.reshape(-1, n)
+        mean2, rstd2 = mean.reshape(-1, 1), rstd.reshape(-1, 1)  # fp32
+        w32 = torch.ones(n, dtype=torch.float32) if weight is None else weight.float().reshape(n)
+        b32 = None if bias is None else bias.float().reshape(n)
+        mask = [want[0], want[1], want[2] and bias is not None]
+        dx2 = torch.empty_like(x2) if want[0] else None
+        dw32 = db32 = None
+        step = max(1, _PARAM_CHUNK // n)
+        for i in range(0, x2.shape[0], step):
+            rows = slice(i, i + step)
+            gx, gw, gb = torch.ops.aten.native_layer_norm_backward(
+                dy2[rows].float(), x2[rows].float(), (n,), mean2[rows], rstd2[rows], w32, b32,
+                mask)  # fmt: skip
+            if dx2 is not None:
+                dx2[rows] = gx
+            if mask[1]:
+                dw32 = gw if dw32 is None else dw32.add_(gw)
+            if mask[2]:
+                db32 = gb if db32 is None else db32.add_(gb)
+        dx = None if dx2 is None else dx2.view(x.shape)
+        dw = None if dw32 is None else dw32.view(weight.shape).to(weight.dtype)
+        db = None if db32 is None else db32.view(bias.shape).to(bias.dtype)
         return dx, dw, db, None, None
 
 
+# From this many elements a 16-bit LayerNorm that gets gradients takes _HalfLayerNorm; smaller ones,
+# where its Python autograd node costs more than fp32 copies, torch's fp32 operator on fp32 copies.
+# Forward + backward, bf16, 2 cores, 2026-11-26 (µs; torch's own 16-bit op in brackets): 1x8 268 /
+# 141 (80), 16x4096 377 / 250 (199), 256x4096 2519 / 3037 (1460), 4096x4096 53377 / 154222 (48159).
+_HALF_LN_CHUNKED_FROM = 1 << 18
+
+
 def _layer_norm(input, shape, weight, bias, eps):
-    """torch's layer_norm; a 16-bit input that gets any gradient: :class:`_HalfLayerNorm`."""
+    """torch's layer_norm; a 16-bit input that gets any gradient: in fp32 (small), or
+    :class:`_HalfLayerNorm`."""
     if input.dtype in _HALF and _differentiated(input, weight, bias):
+        if input.numel() < _HALF_LN_CHUNKED_FROM:
+            return torch.layer_norm(input.float(), shape, _f32(weight), _f32(bias), eps).to(input.dtype)
         return _HalfLayerNorm.apply(input, weight, bias, tuple(shape), eps)
     return torch.layer_norm(input, shape, weight, bias, eps)
 

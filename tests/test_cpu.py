@@ -62,13 +62,15 @@ def _rel(got, want):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("params", ["16-bit", "fp32", "none"])
-@pytest.mark.parametrize("m,n,mean", [(1151, 1024, 3.0), (256, 8, 300.0)], ids=["1151x1024", "256x8-mean300"])
+@pytest.mark.parametrize("m,n,mean", [(1151, 1024, 3.0), (32768, 8, 300.0), (16, 64, 300.0)],
+                         ids=["1151x1024", "32768x8-mean300", "16x64-mean300"])  # fmt: skip
 def test_16bit_layer_norm_gradients(no_reference, dtype, params, m, n, mean):
-    """A 16-bit LayerNorm that gets gradients (normkit.cpu._HalfLayerNorm: fp32 statistics, torch's dx,
-    dweight / dbias summed in fp32, 1151 rows in chunks of 256): against fp64 torch on the same values,
-    within 2 ulps (torch's 16-bit CPU path: dx 49 ulps off at 256x8 around 300 from its 16-bit
-    statistics), fp32 parameters' gradients to fp32 accuracy (torch sums them in 16-bit: bf16 12.6%
-    off at 8192 rows); then a gradient penalty's second-order gradients."""
+    """A 16-bit LayerNorm that gets gradients (from 2^18 elements normkit.cpu._HalfLayerNorm: fp32
+    statistics, torch's fp32 backward in chunks of rows, 1151 rows in chunks of 256; smaller: fp32
+    copies): against fp64 torch on the same values, within 2 ulps (torch's 16-bit CPU path: dx 49
+    ulps off for rows of 8 around 300, from its 16-bit statistics), fp32 parameters' gradients to
+    fp32 accuracy (torch sums them in 16-bit: bf16 12.6% off at 8192 rows); then a gradient
+    penalty's second-order gradients."""
     g = torch.Generator().manual_seed(5)
     p = {"16-bit": dtype, "fp32": torch.float32, "none": None}[params]
     x = (torch.randn(m, n, generator=g) * 2 + mean).to(dtype).requires_grad_()

@@ -57,13 +57,15 @@ flock -u 9
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 env -u TRITON_INTERPRET TRITON_HOME="$tmp" TRITON_CACHE_DIR="$tmp/cache" \
-  "$venv/bin/python" ci/npu_compile_check.py --manifest "$tmp/npu-launches.json" "$@"
+  "$venv/bin/python" ci/npu_compile_check.py --manifest "$tmp/npu-launches.json" \
+  --ttadapters "$tmp/ttadapters.json" "$@"
 echo "== npu compile check (stage 1): ${SECONDS}s"
 # Stage 2: Ascend's compiler (bishengir-compile) through UB planning on each distinct variant of the
-# same manifest: no scalar loops, UB within budget (ci/npu_stage2.py). Self-test first.
+# same manifest (stage 1's .ttadapter files, left in "$tmp/cache"): no scalar loops, UB within budget
+# (ci/npu_stage2.py). Self-test first.
 stage2() {
   env -u TRITON_INTERPRET TRITON_HOME="$tmp" "$venv/bin/python" ci/npu_stage2.py "$@"
 }
 stage2 --selftest
-stage2 --manifest "$tmp/npu-launches.json" --jobs "${STAGE2_JOBS:-2}"
+stage2 --manifest "$tmp/npu-launches.json" --ttadapters "$tmp/ttadapters.json" --jobs "${STAGE2_JOBS:-2}"
 echo "== npu compile check (stages 1 and 2): ${SECONDS}s in all"

@@ -416,6 +416,7 @@ def _compile_once(fn: JITFunction, variant: dict, arch: str = TARGET_ARCH) -> tu
             cache = re.search(r"The compiled kernel cache is in (\S+)", message)
             ttadapter = cache and Path(cache.group(1), f"{fn.__name__}.ttadapter")
             if ttadapter and ttadapter.is_file() and ttadapter.stat().st_size > 0:
+                _TTADAPTER[0] = str(ttadapter)
                 return True, "ttadapter"
             return False, f"{CANN_STAGE} reached but no ttadapter output was found:\n{message}"
         # Keep the tool's own message; drop the crash backtrace's address lines.
@@ -432,12 +433,17 @@ def _kernels() -> dict[str, JITFunction]:
     return discover()
 
 
+# The .ttadapter file of the last variant _compile_once passed in this process (stage 2 plans it).
+_TTADAPTER: list[str | None] = [None]
+
+
 def _compile_task(task):
     name, index, variant = task
     kernels = _kernels()
     t0 = time.perf_counter()
+    _TTADAPTER[0] = None
     ok, detail = compile_variant(kernels[name], variant)
-    return name, index, ok, detail, time.perf_counter() - t0
+    return name, index, ok, detail, time.perf_counter() - t0, _TTADAPTER[0] if ok else None
 
 
 def parallel_map(fn, tasks: list, jobs: int, chunksize: int = 1) -> list:
@@ -458,8 +464,11 @@ def describe(variant: dict) -> str:
     return f"[{consts}]{opts} ({sig})"
 
 
-def compile_all(manifest: Path, jobs: int) -> int:
-    """Compile every variant in ``manifest``; print the table and each distinct failure."""
+def compile_all(manifest: Path, jobs: int, index: Path | None = None) -> int:
+    """Compile every variant in ``manifest``; print the table and each distinct failure. ``index``:
+    write {kernel: {variant number: its .ttadapter file}} there, for stage 2 (ci/npu_stage2.py), which
+    then plans those files instead of compiling the variants again (the files stay in the Triton cache
+    directory, TRITON_CACHE_DIR, of this run)."""
     import_normkit()
     data = json.loads(manifest.read_text())
     kernels = discover()
@@ -483,7 +492,13 @@ def compile_all(manifest: Path, jobs: int) -> int:
     results = parallel_map(_compile_task, tasks, jobs, chunksize=4)
     elapsed = time.perf_counter() - t0
     passed, failed, reached = Counter(), Counter(), Counter()
-    for name, index, ok, detail, _ in results:
+    if index:
+        files: dict[str, dict[int, str]] = {}
+        for name, i, ok, _, _, path in results:
+            if ok and path:
+                files.setdefault(name, {})[i] = path
+        index.write_text(json.dumps(files))
+    for name, index, ok, detail, _, _ in results:
         if ok:
             passed[name] += 1
             reached[detail] += 1
@@ -504,7 +519,7 @@ def compile_all(manifest: Path, jobs: int) -> int:
         more = f"\n    ... and {len(variants) - 3} more variants" if len(variants) > 3 else ""
         print(f"\nFAILED {short(name)}: {len(variants)} variant(s) with the same error\n{shown}{more}\n"
               f"{detail.rstrip()}" if variants != ["-"] else f"\nFAILED {short(name)}: {detail}")
-    crashed = Counter(short(name) for name, _, ok, detail, _ in results if ok and detail.endswith("crash"))
+    crashed = Counter(short(name) for name, _, ok, detail, _, _ in results if ok and detail.endswith("crash"))
     if crashed:
         print("\npassed after a compiler crash (triton-adapter-opt, compiled again): "
               + ", ".join(f"{k} ({n})" for k, n in sorted(crashed.items())))
@@ -557,6 +572,7 @@ def main(argv=None) -> int:
     parser.add_argument("step", nargs="?", default="all", choices=("all", "selftest", "record", "compile"))
     parser.add_argument("--manifest", type=Path, help="JSON manifest of launches (default: a temp file)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--ttadapters", type=Path, help="write where each variant's .ttadapter is (stage 2)")
     args = parser.parse_args(argv)
     if args.step in ("all", "selftest") and selftest():
         return 1
@@ -565,7 +581,7 @@ def main(argv=None) -> int:
         if args.step in ("all", "record"):
             record(manifest)
         if args.step in ("all", "compile"):
-            return compile_all(manifest, args.jobs)
+            return compile_all(manifest, args.jobs, args.ttadapters)
     return 0
 
 

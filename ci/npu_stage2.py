@@ -19,7 +19,9 @@ may add, which are not run here.
 
 Run inside stage 1's triton-ascend virtualenv (ci/npu-compile-check.sh runs both, self-test first;
 ``ascendnpu-ir`` is in its requirements, and bishengir-compile is found in that package):
-    python ci/npu_stage2.py [--bishengir PATH] [--manifest M] [--jobs N] [--table T]
+    python ci/npu_stage2.py [--bishengir PATH] [--manifest M] [--ttadapters F] [--jobs N] [--table T]
+(--ttadapters: stage 1's index of the .ttadapter files it wrote, which are then planned as they are
+instead of compiled again; ci/npu-compile-check.sh passes it)
     python ci/npu_stage2.py --selftest   # must reject a kernel with a scalar gather
 """
 
@@ -85,15 +87,18 @@ def bishengir(binary: str, ttadapter: Path, work: Path) -> tuple[bool, str, str]
     return True, planned.read_text(), message
 
 
-def plan(fn, variant: dict, binary: str) -> tuple[int | None, int | None, str]:
-    """(UB bytes, scalar loops, "") of one variant of ``fn`` through stage 1 and bishengir-compile,
-    or (None, None, what failed)."""
+def plan(fn, variant: dict, binary: str, ttadapter: str | None = None) -> tuple[int | None, int | None, str]:
+    """(UB bytes, scalar loops, "") of one variant of ``fn`` through stage 1 (or stage 1's own
+    ``ttadapter`` file of it) and bishengir-compile, or (None, None, what failed)."""
     with tempfile.TemporaryDirectory(prefix="normkit-stage2-") as tmp:
-        os.environ["TRITON_CACHE_DIR"] = str(Path(tmp, "cache"))
-        ok, detail = stage1.compile_variant(fn, variant)
-        found = sorted(Path(tmp, "cache").rglob("*.ttadapter"))
-        if not ok or not found:
-            return None, None, f"stage 1 failed: {detail}"
+        if ttadapter and Path(ttadapter).is_file():
+            found = [Path(ttadapter)]
+        else:
+            os.environ["TRITON_CACHE_DIR"] = str(Path(tmp, "cache"))
+            ok, detail = stage1.compile_variant(fn, variant)
+            found = sorted(Path(tmp, "cache").rglob("*.ttadapter"))
+            if not ok or not found:
+                return None, None, f"stage 1 failed: {detail}"
         ok, module, message = bishengir(binary, found[0], Path(tmp))
         if not ok:
             return None, None, message
@@ -101,19 +106,19 @@ def plan(fn, variant: dict, binary: str) -> tuple[int | None, int | None, str]:
 
 
 def _task(args):
-    name, variant, binary = args
-    return (name, variant, *plan(stage1._kernels()[name], variant, binary))
+    name, variant, binary, ttadapter = args
+    return (name, variant, *plan(stage1._kernels()[name], variant, binary, ttadapter))
 
 
-def distinct(variants: list[dict]) -> list[dict]:
-    """One variant per (constexprs, options, pointer dtypes)."""
+def distinct(variants: list[dict]) -> list[tuple[int, dict]]:
+    """(number, variant): one variant per (constexprs, options, pointer dtypes)."""
     seen, out = set(), []
-    for v in variants:
+    for i, v in enumerate(variants):
         pointers = sorted({t for t in v["signature"].values() if t.startswith("*")})
         key = json.dumps([v["constexprs"], v["options"], pointers], sort_keys=True)
         if key not in seen:
             seen.add(key)
-            out.append(v)
+            out.append((i, v))
     return out
 
 
@@ -124,13 +129,16 @@ def label(variant: dict) -> str:
 
 
 def run(binary: str, manifest: Path, jobs: int, budget_kb: float, table: Path | None,
-        only: list[str] | None = None) -> int:
+        only: list[str] | None = None, ttadapters: Path | None = None) -> int:
     stage1.import_normkit()
     if not manifest.is_file():
         stage1.record(manifest)
     data = json.loads(manifest.read_text())
-    tasks = [(name, v, binary) for name, vs in data["kernels"].items() for v in distinct(vs)
-             if not only or any(stage1.short(name).startswith(o) for o in only)]  # fmt: skip
+    files = json.loads(ttadapters.read_text()) if ttadapters and ttadapters.is_file() else {}
+    tasks = [(name, v, binary, files.get(name, {}).get(str(i))) for name, vs in data["kernels"].items()
+             if not only or any(stage1.short(name).startswith(o) for o in only)
+             for i, v in distinct(vs)]  # fmt: skip
+    reused = sum(1 for t in tasks if t[3])
     t0 = time.perf_counter()
     results = stage1.parallel_map(_task, tasks, jobs, chunksize=2)
     per_kernel: dict[str, list] = {}
@@ -158,7 +166,8 @@ def run(binary: str, manifest: Path, jobs: int, budget_kb: float, table: Path | 
         print(f"FAILED {f}")
     verdict = "FAILED" if failures else "ok"
     print(f"npu stage 2 {verdict}: {len(tasks)} variants of {len(per_kernel)} kernels through "
-          f"bishengir-compile (UB planning, {TARGET}) in {time.perf_counter() - t0:.0f} s with {jobs} jobs; "
+          f"bishengir-compile (UB planning, {TARGET}; {reused} from stage 1's .ttadapter files) in "
+          f"{time.perf_counter() - t0:.0f} s with {jobs} jobs; "
           f"{len(failures)} failed (UB budget {budget_kb:g} of {UB_TOTAL_KB} KB)")  # fmt: skip
     return 1 if failures else 0
 
@@ -221,6 +230,7 @@ def main(argv=None) -> int:
     p.add_argument("--budget-kb", type=float, default=176.0, help="UB budget per kernel (default 176 KB)")
     p.add_argument("--table", type=Path, help="write the per-kernel UB / scalar-loop table here (markdown)")
     p.add_argument("--kernels", nargs="*", help="only kernels whose short name starts so (e.g. group_norm.)")
+    p.add_argument("--ttadapters", type=Path, help="stage 1's index of .ttadapter files (--ttadapters there)")
     p.add_argument("--selftest", action="store_true")
     a = p.parse_args(argv)
     if not a.bishengir:
@@ -228,7 +238,7 @@ def main(argv=None) -> int:
     if a.selftest:
         stage1.import_normkit()
         return selftest(a.bishengir)
-    return run(a.bishengir, a.manifest, a.jobs, a.budget_kb, a.table, a.kernels)
+    return run(a.bishengir, a.manifest, a.jobs, a.budget_kb, a.table, a.kernels, a.ttadapters)
 
 
 if __name__ == "__main__":

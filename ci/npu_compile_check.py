@@ -360,9 +360,9 @@ def format_error(fn: JITFunction, e: BaseException) -> str:
 # triton-adapter-opt 3.2.0 crashes now and then on a variant it compiles on other runs: its
 # --triton-to-unstructure pass reads memory it does not own (2026-11-26: the ttir of
 # _fwd_rows_kernel[ROWS=64 WIDTH=16 IS_RMS HAS_W ADD HAS_R], that pass alone, same file and command:
-# 3-8 of 300 runs segfault with address randomisation, 400 of 400 under `setarch -R`, 0 of 100
-# difference with --mlir-disable-threading; a run that passes writes the same output). CI saw it as
-# assertions on the MLIR context or a bare segfault, 1-5 of 2068 variants a run, whole-row kernels
+# 3-8 of 300 runs segfault with address randomisation, 400 of 400 under `setarch -R`, 2 of 100 with
+# and without --mlir-disable-threading; a run that passes writes the same output). CI saw it as
+# assertions on the MLIR context or a bare segfault, 1-5 of 2068-3066 variants a run, whole-row kernels
 # only. A crash (LLVM's "Stack dump:" banner, printed for a signal or an assertion) is compiled again,
 # up to CRASH_RETRIES times, and a variant that passes so is reported apart ("ttadapter after a
 # compiler crash", kernels named). A diagnostic (an error the compiler reports) is never retried.

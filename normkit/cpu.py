@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from normkit import dispatch
+from normkit import dispatch, higher_order
 
 _HALF = (torch.float16, torch.bfloat16)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -76,8 +76,8 @@ def _f32(t):
     return None if t is None else t.float()
 
 
-# Rows of a chunk in _HalfLayerNorm's parameter sums: fp32 temporaries of about 1 MB stay in cache.
-_PARAM_CHUNK = 1 << 18
+# Elements of a chunk of rows in _HalfLayerNorm's backward: fp32 copies of about 1 MB stay in cache.
+_BWD_CHUNK = 1 << 18
 
 
 class _HalfLayerNorm(torch.autograd.Function):
@@ -100,19 +100,15 @@ class _HalfLayerNorm(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, bias, mean, rstd = ctx.saved_tensors
         want = ctx.needs_input_grad[:3]
+        n = math.prod(ctx.shape)
         if torch.is_grad_enabled():  # create_graph=True: gradients autograd can differentiate again
-            with torch.enable_grad():
-                leaves = [t if t is None or t.requires_grad else t.detach().requires_grad_()
-                          for t in (x, weight, bias)]  # fmt: skip
-                xl, wl, bl = leaves
-                y = torch.layer_norm(xl.float(), ctx.shape, _f32(wl), _f32(bl), ctx.eps)
-                asked = [t for t, w in zip(leaves, want) if t is not None and w]
-                got = iter(torch.autograd.grad(y, asked, dy.float(), create_graph=True, allow_unused=True))
-            # (each in its tensor's dtype: the casts to fp32 are differentiated too)
-            return (*[next(got) if t is not None and w else None for t, w in zip(leaves, want)], None, None)
+            grads = higher_order.row_norm(dy.reshape(-1, n), x.reshape(-1, n),
+                                          None if weight is None else weight.reshape(n),
+                                          None if bias is None else bias.dtype, ctx.eps, False)  # fmt: skip
+            return (*[g.view(t.shape) if w else None for g, t, w in zip(grads, (x, weight, bias), want)],
+                    None, None)  # fmt: skip
         # In chunks of rows: torch's fp32 backward of each chunk (fp32 copies of about 1 MB stay in
         # cache), dx rounded into place, dweight / dbias added up in fp32.
-        n = math.prod(ctx.shape)
         x2, dy2 = x.reshape(-1, n), dy.reshape(-1, n)
         mean2, rstd2 = mean.reshape(-1, 1), rstd.reshape(-1, 1)  # fp32
         w32 = torch.ones(n, dtype=torch.float32) if weight is None else weight.float().reshape(n)
@@ -120,7 +116,7 @@ class _HalfLayerNorm(torch.autograd.Function):
         mask = [want[0], want[1], want[2] and bias is not None]
         dx2 = torch.empty_like(x2) if want[0] else None
         dw32 = db32 = None
-        step = max(1, _PARAM_CHUNK // n)
+        step = max(1, _BWD_CHUNK // n)
         for i in range(0, x2.shape[0], step):
             rows = slice(i, i + step)
             gx, gw, gb = torch.ops.aten.native_layer_norm_backward(

@@ -88,20 +88,22 @@ def test_16bit_layer_norm_gradients(no_reference, dtype, params, m, n, mean):
         assert _rel(a, e) < (2 * eps if p is dtype else 5e-5), name  # fp32 statistics of rows around 300
     if p is None or mean > 100:
         return
-    # second order, on a small case: d/d(x, w, b) of a penalty on the first-order gradients
-    xs, ws, bs = (t.detach()[:16, :64] if t.dim() == 2 else t.detach()[:64] for t in (x, w, b))
-    dys = dy[:16, :64]
+    # second order: d/d(x, w, b) of a penalty on the first-order gradients, on a small case (fp32
+    # copies) and on 2^18 elements (_HalfLayerNorm's create_graph backward)
+    for rows, cols in ((16, 64), (256, 1024)):
+        xs, ws, bs = (t.detach()[:rows, :cols] if t.dim() == 2 else t.detach()[:cols] for t in (x, w, b))
+        dys = dy[:rows, :cols]
 
-    def penalty_grads(fn, ins):
-        g1 = torch.autograd.grad((fn(ins[0], (64,), ins[1], ins[2]) * dys.to(ins[0].dtype)).sum(), ins,
-                                 create_graph=True)  # fmt: skip
-        return torch.autograd.grad(sum((t.float() ** 2).sum() for t in g1), ins, allow_unused=True)
+        def penalty_grads(fn, ins, dys=dys, cols=cols):
+            g1 = torch.autograd.grad((fn(ins[0], (cols,), ins[1], ins[2]) * dys.to(ins[0].dtype)).sum(), ins,
+                                     create_graph=True)  # fmt: skip
+            return torch.autograd.grad(sum((t.float() ** 2).sum() for t in g1), ins, allow_unused=True)
 
-    got2 = penalty_grads(normkit.layer_norm, [t.clone().requires_grad_() for t in (xs, ws, bs)])
-    want2 = penalty_grads(F.layer_norm, [t.double().requires_grad_() for t in (xs, ws, bs)])
-    assert got2[2] is None and want2[2] is None  # the bias's gradient, sum(dy), depends on no input
-    for i, (a, e) in enumerate(zip(got2[:2], want2[:2])):
-        assert _rel(a, e) < 8 * eps, f"second order, input {i}"
+        got2 = penalty_grads(normkit.layer_norm, [t.clone().requires_grad_() for t in (xs, ws, bs)])
+        want2 = penalty_grads(F.layer_norm, [t.double().requires_grad_() for t in (xs, ws, bs)])
+        assert got2[2] is None and want2[2] is None  # the bias's gradient, sum(dy), depends on no input
+        for i, (a, e) in enumerate(zip(got2[:2], want2[:2])):
+            assert _rel(a, e) < 8 * eps, f"second order {rows}x{cols}, input {i}"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

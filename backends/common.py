@@ -111,45 +111,39 @@ def hash_uniform(key, col):
 
 
 @triton.jit
-def _keep(seed, offsets, p, HASH: tl.constexpr):
-    """Dropout's keep decision: the hash (``HASH``: the NPU kernels; ``seed`` the row's
-    :func:`row_key`, ``offsets`` the columns) or Philox (the CUDA kernels: ``tl.rand(seed, row * N +
-    col)``)."""
-    if HASH:
-        return hash_uniform(seed, offsets) >= p
-    return tl.rand(seed, offsets) >= p
+def _keep(key, cols, p):
+    """Dropout's keep decision for columns ``cols`` of the row whose :func:`row_key` is ``key``:
+    the hash's draw >= p (every backend and the reference draw the same bits)."""
+    return hash_uniform(key, cols) >= p
 
 
 @triton.jit
-def residual_in(x, r_ptrs, mask, seed, offsets, p, scale, HAS_R: tl.constexpr, DROPOUT: tl.constexpr,
-                HASH: tl.constexpr = False):  # fmt: skip
+def residual_in(x, r_ptrs, mask, key, cols, p, scale, HAS_R: tl.constexpr, DROPOUT: tl.constexpr):
     """h = dropout(x) + residual for the fused add-norm (``x`` already in the math dtype).
 
-    The dropout mask is regenerated, never stored: element kept where :func:`_keep` says so and
-    then scaled by ``scale = 1 / (1 - p)``.
+    The dropout mask is regenerated, never stored: element (row, col) kept where :func:`_keep`
+    says so for the row's ``key`` (:func:`row_key`) and ``cols``, then scaled by ``scale = 1 / (1 - p)``.
     """
     if HAS_R:
         r = tl.load(r_ptrs, mask=mask, other=0.0)
     else:
         r = x
-    return residual_add(x, r, seed, offsets, p, scale, HAS_R, DROPOUT, HASH)
+    return residual_add(x, r, key, cols, p, scale, HAS_R, DROPOUT)
 
 
 @triton.jit
-def residual_add(x, r, seed, offsets, p, scale, HAS_R: tl.constexpr, DROPOUT: tl.constexpr,
-                 HASH: tl.constexpr = False):  # fmt: skip
+def residual_add(x, r, key, cols, p, scale, HAS_R: tl.constexpr, DROPOUT: tl.constexpr):
     """:func:`residual_in` with the residual ``r`` already loaded (any dtype; unread unless HAS_R)."""
     if DROPOUT:
-        x = tl.where(_keep(seed, offsets, p, HASH), x * scale, 0.0)
+        x = tl.where(_keep(key, cols, p), x * scale, 0.0)
     if HAS_R:
         x = x + r.to(x.dtype)
     return x
 
 
 @triton.jit
-def residual_grad(dh, dh_ptrs, dres_ptrs, mask, seed, offsets, p, scale,
-                  HAS_DH: tl.constexpr, HAS_DRES: tl.constexpr, DROPOUT: tl.constexpr,
-                  HASH: tl.constexpr = False):  # fmt: skip
+def residual_grad(dh, dh_ptrs, dres_ptrs, mask, key, cols, p, scale,
+                  HAS_DH: tl.constexpr, HAS_DRES: tl.constexpr, DROPOUT: tl.constexpr):  # fmt: skip
     """From the norm's gradient w.r.t. h: add h's own incoming gradient (``dh_ptrs``), store the
     residual's gradient (= dh), and return x's gradient (dh through the regenerated dropout mask).
     With every flag off it returns ``dh`` unchanged (the plain norms)."""  # fmt: skip
@@ -158,7 +152,7 @@ def residual_grad(dh, dh_ptrs, dres_ptrs, mask, seed, offsets, p, scale,
     if HAS_DRES:
         tl.store(dres_ptrs, dh.to(dres_ptrs.dtype.element_ty), mask=mask)
     if DROPOUT:
-        dh = tl.where(_keep(seed, offsets, p, HASH), dh * scale, 0.0)
+        dh = tl.where(_keep(key, cols, p), dh * scale, 0.0)
     return dh
 
 

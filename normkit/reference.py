@@ -80,7 +80,7 @@ def rms_norm_bwd(dy, x, weight, rstd):
 
 
 def dropout_keep(shape, dropout_p, seed, device):
-    """The reference backend's dropout mask: the hash the NPU kernels draw (normkit.rng, docs/numerics.md),
+    """The reference backend's dropout mask: the hash every kernel draws (normkit.rng, docs/numerics.md),
     a function of (seed, shape) alone, so the backward regenerates the forward's mask."""
     from normkit import rng
 

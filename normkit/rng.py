@@ -1,5 +1,5 @@
 """The dropout hash of the fused add-norms, in torch: element (row, col) of an (M, N) mask is kept
-where ``u(row, col) >= p`` (docs/numerics.md, "Dropout"). The NPU kernels
+where ``u(row, col) >= p`` (docs/numerics.md, "Dropout"). The CUDA and NPU kernels
 (``backends/common.py``: ``row_key``, ``hash_uniform``) and the reference backend draw the same bits:
 
     key = seed ^ (row << 32);  K = fmix32(key_hi ^ 0x5BD1E995) ^ key_lo
@@ -22,9 +22,13 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
-def uniform(seed: int, rows: int, cols: int, device=None) -> torch.Tensor:
-    """(rows, cols) fp32 draws in [0, 1), multiples of 2^-24."""
-    row = torch.arange(rows, dtype=torch.int64, device=device)
+def uniform(seed: int, rows, cols: int, device=None) -> torch.Tensor:
+    """(rows, cols) fp32 draws in [0, 1), multiples of 2^-24; ``rows``: a count (rows 0, 1, ...) or
+    a sequence of row indices (those rows' draws)."""
+    if isinstance(rows, int):
+        row = torch.arange(rows, dtype=torch.int64, device=device)
+    else:
+        row = torch.as_tensor(rows, dtype=torch.int64, device=device)
     key = torch.bitwise_xor(torch.tensor(seed, dtype=torch.int64, device=device), row << 32)
     k = _fmix32(((key >> 32) & _M32) ^ 0x5BD1E995) ^ (key & _M32)
     col = torch.arange(cols, dtype=torch.int64, device=device)

@@ -239,24 +239,10 @@ def test_unused_h_sends_no_gradient(monkeypatch, op):
 
 
 # --- the dropout mask against the documented formula (docs/numerics.md, "Dropout") ----------------
-# An independent Philox4x32-10 as Triton's tl.rand runs it (the CUDA kernels): counter (offset low,
-# offset high, 0, 0), key (seed low, seed high), the first output word as a signed int scaled to
-# [0, 1); and the hash of the NPU kernels and the reference backend.
+# The hash every backend and the reference draw, in Python integers (independent of normkit.rng and
+# of the kernels' common.row_key / hash_uniform).
 
-_ROUND_A, _ROUND_B, _KEY_A, _KEY_B = 0xD2511F53, 0xCD9E8D57, 0x9E3779B9, 0xBB67AE85
 _U32 = 0xFFFFFFFF
-
-
-def _philox_uniform(seed: int, offset: int) -> float:
-    c0, c1, c2, c3 = offset & _U32, offset >> 32, 0, 0
-    k0, k1 = seed & _U32, seed >> 32
-    for _ in range(10):
-        hi_b, hi_a = (_ROUND_B * c2) >> 32, (_ROUND_A * c0) >> 32  # umulhi
-        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, (_ROUND_B * c2) & _U32, hi_a ^ c3 ^ k1, (_ROUND_A * c0) & _U32
-        k0, k1 = (k0 + _KEY_A) & _U32, (k1 + _KEY_B) & _U32
-    signed = c0 - (1 << 32) if c0 >> 31 else c0  # bitcast to int32
-    signed = -signed - 1 if signed < 0 else signed
-    return (torch.tensor(float(signed), dtype=torch.float32) * torch.tensor(4.6566127342e-10)).item()
 
 
 def _fmix32(h: int) -> int:
@@ -273,18 +259,15 @@ def _hash_uniform(key: int, col: int) -> float:
     return (_fmix32(((col * 0x9E3779B1) & _U32) ^ k) >> 8) / 2.0**24
 
 
-def documented_keep(backend: str, shape, p: float, seed: int) -> torch.Tensor:
-    """CUDA kernels: tl.rand(seed, row * N + col); NPU kernels and the reference backend: the hash
-    of (seed ^ (row << 32), col). Kept where the draw is >= p (as fp32)."""
+def documented_keep(shape, p: float, seed: int) -> torch.Tensor:
+    """The hash of (seed ^ (row << 32), col), kept where the draw is >= p (as fp32): the CUDA and NPU
+    kernels and the reference backend alike."""
     M, N = shape
     p32 = torch.tensor(p, dtype=torch.float32).item()
     keep = torch.empty(M, N, dtype=torch.bool)
     for row in range(M):
         for col in range(N):
-            if backend == "cuda":
-                keep[row, col] = _philox_uniform(seed, row * N + col) >= p32
-            else:
-                keep[row, col] = _hash_uniform(seed ^ (row << 32), col) >= p32
+            keep[row, col] = _hash_uniform(seed ^ (row << 32), col) >= p32
     return keep
 
 
@@ -293,7 +276,7 @@ def test_reference_mask_is_the_documented_hash():
     seeds past 2^32 too; its keep rate and row / column independence as in the kernel tests."""
     for seed, shape in ((7, (6, 150)), (2**40 + 3, (3, 1100))):
         got = reference.dropout_keep(shape, 0.4, seed, "cpu")
-        want = documented_keep("npu", shape, 0.4, seed)
+        want = documented_keep(shape, 0.4, seed)
         assert torch.equal(got, want), f"{(got != want).sum().item()} of {got.numel()} mask bits differ"
     big = reference.dropout_keep((256, 4096), 0.3, 11, "cpu").float()
     assert abs(big.mean().item() - 0.7) < 0.005, big.mean().item()  # 1M draws: sd 0.00046
@@ -317,8 +300,33 @@ def test_dropout_mask_is_the_documented_formula(run_on, executor, shape, op):
     with run_on(executor, torch.float32):
         x = torch.randn(shape, generator=torch.Generator().manual_seed(1)).add_(0.5).to(executor.device)
         got = dropout_keep_mask(op, x, p, seed).cpu()
-    want = documented_keep(executor.backend, shape, p, seed)
+    want = documented_keep(shape, p, seed)
     assert torch.equal(got, want), f"{(got != want).sum().item()} of {got.numel()} mask bits differ"
     assert len({tuple(r.tolist()) for r in got}) == shape[0], "two rows share a mask"
     same = (got[:, 1:] == got[:, :-1]).all(dim=0).float().mean().item()  # ~0.52^M by chance
     assert same < 0.5, f"{same:.0%} of adjacent columns share their mask"
+
+
+@pytest.mark.parametrize("op", ADD_OPS)
+# Device shapes: the CUDA kernels' packed rows, one row a program, looped and split rows (forward and
+# backward); NPU: rows held in UB, packed, and looped.
+@pytest.mark.parametrize("executor,shape", executor_params(
+    [((40, 96),), ((2, 2100),)],
+    [((1024, 512),), ((33, 8192),), ((4, 65536),), ((2, 262144),), ((3, 40999),)],
+    [((40, 96),), ((2, 2100),)]))  # fmt: skip
+def test_dropout_mask_is_the_same_on_every_executor(run_on, executor, shape, op):
+    """One seed, one mask: the kernels' forward mask (where h is 0) and backward mask (dx with dy = 0
+    and dh = 1 is the mask times 1 / (1 - p)) equal the reference backend's bit for bit, for a seed
+    past 2^32. (The reference equals the documented hash: test_reference_mask_is_the_documented_hash.)"""
+    seed, p = 2**40 + 977, 0.3
+    want = reference.dropout_keep(shape, p, seed, "cpu")
+    with run_on(executor, torch.float32):
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(2)).add_(0.5).to(executor.device)
+        out = add_norm_public(op, x, None, None, None, (shape[-1],), dy=torch.zeros_like(x),
+                              dh=torch.ones_like(x), dropout_p=p, seed=seed)  # fmt: skip
+    for name, got in (("forward", out["h"] != 0), ("backward", out["dx"] != 0)):
+        got = got.cpu()
+        assert torch.equal(got, want), f"{name}: {(got != want).sum().item()} of {want.numel()} bits differ"
+    scale = torch.tensor(1 / (1 - p), dtype=torch.float32).item()
+    kept = out["dx"].cpu()[want]
+    assert torch.equal(kept, torch.full_like(kept, scale)), "a kept element's dx is not 1 / (1 - p)"

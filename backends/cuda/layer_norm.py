@@ -27,7 +27,8 @@ deterministic, no atomics.
 The fused residual path (``add_layer_norm`` / ``add_rms_norm``) runs the same kernels with ``ADD``
 on: the forward forms h = dropout(x) + residual in registers, stores h (the residual stream, in
 its own dtype) and normalizes h; the backward reads h, adds h's own incoming gradient, stores the
-residual's gradient and passes x's gradient through the dropout mask, regenerated from the seed.
+residual's gradient and passes x's gradient through the dropout mask, regenerated from the seed
+(``common.row_key`` / ``hash_uniform``: the NPU kernels' and the reference's bits, docs/numerics.md).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from normkit.backends.common import (
     residual_add,
     residual_grad,
     residual_in,
+    row_key,
 )
 from normkit.backends.cuda import config, coop, reduce, smem
 from normkit.backends.cuda.launch import Bound, int_spec, launch, tensor_spec
@@ -79,7 +81,7 @@ def _fwd_fused_kernel(
     N,
     eps,
     eps_lo,  # eps - fp32(eps): fp64 kernels add it back (exact_eps)
-    seed,  # dropout: keep (row, col) where rand(seed, row * N + col) >= p, times scale
+    seed,  # dropout: keep (row, col) where the hash of (seed ^ (row << 32), col) >= p, times scale
     p,
     scale,
     ROWS: tl.constexpr,  # rows per program
@@ -116,8 +118,9 @@ def _fwd_fused_kernel(
     x = tl.load(X + as_col(rows64 * stride_x, ROWS) + cols, mask=mask, other=0.0,
                 eviction_policy=evict).to(ACC)  # fmt: skip
     if ADD:
-        h = residual_in(x, R + as_col(rows64 * stride_r, ROWS) + cols, mask, seed,
-                        as_col(rows64 * N, ROWS) + cols, p, scale, HAS_R, DROPOUT)  # fmt: skip
+        key = as_col(row_key(seed, rows), ROWS)  # dropout: each row's hash key
+        h = residual_in(x, R + as_col(rows64 * stride_r, ROWS) + cols, mask, key, cols, p, scale,
+                        HAS_R, DROPOUT)  # fmt: skip
         h = h.to(H.dtype.element_ty)
         tl.store(H + as_col(rows64 * stride_h, ROWS) + cols, h, mask=mask)
         x = h.to(ACC)  # normalize h as stored, so the backward (which reads h) sees the same row
@@ -199,6 +202,7 @@ def _fwd_looped_kernel(
 ):
     row = tl.cast(tl.program_id(0), tl.int64)
     cols = tl.arange(0, BLOCK_N)
+    key = row_key(seed, row)  # dropout: the row's hash key
     # Sweep 1: statistics. LayerNorm merges per-tile (mean, M2) pairs of x - shift with Chan's
     # formula (exact differences; accurate for large means); RMSNorm sums squares.
     if IS_RMS:
@@ -214,7 +218,7 @@ def _fwd_looped_kernel(
         mask = offs < N
         x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(ACC)
         if ADD:
-            h = residual_in(x, R + row * stride_r + offs, mask, seed, row * N + offs, p, scale,
+            h = residual_in(x, R + row * stride_r + offs, mask, key, offs, p, scale,
                             HAS_R, DROPOUT).to(H.dtype.element_ty)  # fmt: skip
             tl.store(H + row * stride_h + offs, h, mask=mask)
             x = h.to(ACC)
@@ -234,7 +238,7 @@ def _fwd_looped_kernel(
         mask = offs < N
         x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(ACC)
         if ADD:
-            x = residual_in(x, R + row * stride_r + offs, mask, seed, row * N + offs, p, scale,
+            x = residual_in(x, R + row * stride_r + offs, mask, key, offs, p, scale,
                             HAS_R, DROPOUT).to(H.dtype.element_ty).to(ACC)  # fmt: skip
         y = normalize(x - shift, mean, rstd, mask, IS_RMS)
         if HAS_W:
@@ -278,7 +282,7 @@ def _fwd_split_publish(x, r, X, R, H, row, stride_x, stride_r, stride_h, Part, C
     r64 = tl.cast(row, tl.int64)
     x = x.to(ACC)
     if ADD:
-        h = residual_add(x, r, seed, r64 * N + cols, p, scale, HAS_R, DROPOUT).to(H.dtype.element_ty)
+        h = residual_add(x, r, row_key(seed, row), cols, p, scale, HAS_R, DROPOUT).to(H.dtype.element_ty)
         tl.store(H + r64 * stride_h + cols, h, mask=mask)
         x = h.to(ACC)
     part = Part + r64 * (2 * KP)
@@ -864,10 +868,10 @@ def _bwd_fused_kernel(
         else:
             c2 = tl.sum(wdy, axis=1)[:, None] * inv_n
             dx = (wdy - (xhat * c1 + c2)) * rstd
-        at = r64 * N + cols[None, :]  # element index: the dropout offset
         dx = residual_grad(dx, DH + r64 * stride_dh + cols[None, :],
                            DRES + r64 * stride_dres + cols[None, :],
-                           mask, seed, at, p, scale, HAS_DH, HAS_DRES, DROPOUT)  # fmt: skip
+                           mask, row_key(seed, rows)[:, None], cols[None, :], p, scale,
+                           HAS_DH, HAS_DRES, DROPOUT)  # fmt: skip
         tl.store(DX + r64 * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         if HAS_W:
             dw += dy * xhat
@@ -983,7 +987,7 @@ def _bwd_looped_kernel(
         else:
             dx = (wdy - (xhat * tl.load(C1 + row) + tl.load(C2 + row))) * rstd
         dx = residual_grad(dx, DH + r64 * stride_dh + cols, DRES + r64 * stride_dres + cols, mask,
-                           seed, r64 * N + cols, p, scale, HAS_DH, HAS_DRES, DROPOUT)  # fmt: skip
+                           row_key(seed, row), cols, p, scale, HAS_DH, HAS_DRES, DROPOUT)  # fmt: skip
         tl.store(DX + r64 * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
         if HAS_W:
             dw += dy * xhat
@@ -1140,7 +1144,7 @@ def _bwd_split_kernel(
             c2 = tl.sum(tl.load(part + KP + ks, mask=ks < K, other=0.0, cache_modifier=".cg"), axis=0)
             dx = (wdy - (xhat * c1 + c2 * inv_n)) * rstd
         dx = residual_grad(dx, DH + r64 * stride_dh + cols, DRES + r64 * stride_dres + cols, mask,
-                           seed, r64 * N + cols, p, scale, HAS_DH, HAS_DRES, DROPOUT)  # fmt: skip
+                           row_key(seed, row), cols, p, scale, HAS_DH, HAS_DRES, DROPOUT)  # fmt: skip
         tl.store(DX + r64 * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
         if HAS_W:
             dw += dy * xhat

@@ -86,7 +86,7 @@ def _fwd_rows_kernel(
             key = tl.broadcast_to(row_key(seed, rows)[:, None], (ROWS, WIDTH))  # each row's key (*)
             offs = tl.broadcast_to(cols[None, :], (ROWS, WIDTH))
             h = residual_in(x, R + rows64[:, None] * stride_r + cols[None, :], mask, key, offs, p, scale,
-                            HAS_R, DROPOUT, True).to(H.dtype.element_ty)  # fmt: skip
+                            HAS_R, DROPOUT).to(H.dtype.element_ty)  # fmt: skip
             tl.store(H + rows64[:, None] * stride_h + cols[None, :], h, mask=mask)
             x = h.to(tl.float32)
         if IS_RMS:
@@ -161,7 +161,7 @@ def _fwd_kernel(
             x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
             if ADD:
                 h = residual_in(x, R + row64 * stride_r + offs, mask, key, offs, p,
-                                scale, HAS_R, DROPOUT, True).to(H.dtype.element_ty)  # fmt: skip
+                                scale, HAS_R, DROPOUT).to(H.dtype.element_ty)  # fmt: skip
                 tl.store(H + row64 * stride_h + offs, h, mask=mask)
                 x = h.to(tl.float32)
             if IS_RMS:
@@ -180,8 +180,8 @@ def _fwd_kernel(
             mask = offs < N
             x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
             if ADD:
-                x = residual_in(x, R + row64 * stride_r + offs, mask, key, offs, p, scale, HAS_R, DROPOUT,
-                                True).to(H.dtype.element_ty).to(tl.float32)  # fmt: skip
+                x = residual_in(x, R + row64 * stride_r + offs, mask, key, offs, p, scale, HAS_R,
+                                DROPOUT).to(H.dtype.element_ty).to(tl.float32)  # fmt: skip
             y = normalize(x - shift, mean, rstd, mask, IS_RMS)
             if HAS_W:
                 y = y * tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
@@ -259,7 +259,7 @@ def _bwd_rows_kernel(
         offs = tl.broadcast_to(cols[None, :], (ROWS, WIDTH))
         dx = residual_grad(dx, DH + rows64[:, None] * stride_dh + cols[None, :],
                            DRES + rows64[:, None] * stride_dres + cols[None, :], mask, key, offs, p, scale,
-                           HAS_DH, HAS_DRES, DROPOUT, True)  # fmt: skip
+                           HAS_DH, HAS_DRES, DROPOUT)  # fmt: skip
         tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         if HAS_W:
             dw += tl.sum(dy * xhat, axis=0)
@@ -381,7 +381,7 @@ def _bwd_dx_kernel(
             else:
                 dx = (wdy - (xhat * tl.load(C1 + row) + tl.load(C2 + row))) * rstd
             dx = residual_grad(dx, DH + row64 * stride_dh + cols, DRES + row64 * stride_dres + cols,
-                               mask, key, cols, p, scale, HAS_DH, HAS_DRES, DROPOUT, True)  # fmt: skip
+                               mask, key, cols, p, scale, HAS_DH, HAS_DRES, DROPOUT)  # fmt: skip
             tl.store(DX + row64 * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
             if HAS_W:
                 dw += dy * xhat

@@ -52,6 +52,7 @@ import torch.nn.functional as F
 
 import normkit
 from normkit import reference as ref_impl
+from normkit import rng
 from normkit.bench_plan import (  # noqa: F401  (the plan lives there, without torch; re-exported here)
     DEVICES,
     DIM0_NS,
@@ -139,12 +140,19 @@ def available_impls(device_type="cuda") -> dict[str, str]:
     return status
 
 
-def serves(impl, op) -> bool:
-    return op in SERVES.get(impl, OPS)
+DROPOUT_SEED = 1234
+# The implementations that draw normkit's dropout mask (docs/numerics.md, "Dropout"), so --dropout
+# cells can be checked against fp64 through it; torch and the others draw their own.
+DROPOUT_IMPLS = ("normkit", "npu-kernels-on-cuda")
 
 
-def _api_forward(ns, op):
-    """fn(inputs) -> outputs for a torch.nn.functional-like namespace (F or normkit)."""
+def serves(impl, op, dropout=0.0) -> bool:
+    return op in SERVES.get(impl, OPS) and (not dropout or impl in DROPOUT_IMPLS)
+
+
+def _api_forward(ns, op, dropout=0.0):
+    """fn(inputs) -> outputs for a torch.nn.functional-like namespace (F or normkit); ``dropout``: the
+    add-norms' dropout_p (normkit only)."""
     if op in ("softmax", "log_softmax") or op in DIM0_OPS:
         fn, dim = getattr(ns, op.removesuffix("_dim0")), 0 if op in DIM0_OPS else -1
         return lambda i: (fn(i["x"], dim),)
@@ -160,7 +168,7 @@ def _api_forward(ns, op):
     if ns is normkit:  # the fused add-norm, both outputs
         fn, params = getattr(normkit, op), ("weight", "bias") if op == "add_layer_norm" else ("weight",)
         return lambda i: fn(i["x"], i["residual"], i["x"].shape[-1:], *(i[p] for p in params), eps=EPS,
-                            prenorm=True)  # fmt: skip
+                            prenorm=True, dropout_p=dropout, seed=DROPOUT_SEED)  # fmt: skip
     norm = _api_forward(ns, op.removeprefix("add_"))
 
     def add_norm(i):
@@ -232,10 +240,10 @@ def _torch_npu_forward(op):
     return add_layer_norm
 
 
-def _npu_kernels_forward(op):
+def _npu_kernels_forward(op, dropout=0.0):
     """normkit's public API with the NPU backend serving cuda tensors; the backward (autograd.grad)
     runs on the backend of the forward's context (normkit.dispatch.restore)."""
-    fn = _api_forward(normkit, op)
+    fn = _api_forward(normkit, op, dropout)
 
     def on_npu_kernels(i):
         with normkit.dispatch.use_backend("cuda", "normkit.backends.npu"):
@@ -244,8 +252,9 @@ def _npu_kernels_forward(op):
     return on_npu_kernels
 
 
-def forward_fn(impl, op):
-    """fn(inputs dict) -> tuple of outputs (y, or y and h for the add-norms)."""
+def forward_fn(impl, op, dropout=0.0):
+    """fn(inputs dict) -> tuple of outputs (y, or y and h for the add-norms); ``dropout``: the
+    add-norms' dropout_p (the implementations of DROPOUT_IMPLS)."""
     if impl == "liger":
         return _liger_forward(op)
     if impl == "quack":
@@ -253,8 +262,8 @@ def forward_fn(impl, op):
     if impl == "torch_npu":
         return _torch_npu_forward(op)
     if impl == "npu-kernels-on-cuda":
-        return _npu_kernels_forward(op)
-    fn = _api_forward(normkit if impl == "normkit" else F, op)
+        return _npu_kernels_forward(op, dropout)
+    fn = _api_forward(normkit if impl == "normkit" else F, op, dropout)
     return torch.compile(fn, dynamic=False) if impl == "torch.compile" else fn
 
 
@@ -309,8 +318,9 @@ def reference(case, inp) -> dict:
     if case.op in ("layer_norm", "rms_norm"):
         return reference_results(case.op, x, w, b, dy, x.shape[-1:], EPS)
     if case.op.startswith("add_"):
+        keep = rng.keep_mask(x.shape, case.dropout, DROPOUT_SEED, x.device) if case.dropout else None
         return add_norm_reference(case.op, x, inp["residual"], w, b, dy, torch.zeros_like(dy), x.shape[-1:],
-                                  EPS, None, 0.0, x.dtype)  # fmt: skip
+                                  EPS, keep, case.dropout, x.dtype)  # fmt: skip
     if "softmax" in case.op:
         y, dx = softmax_reference(case.op.removesuffix("_dim0"), x, dy, 0 if case.op in DIM0_OPS else -1)
         return dict(y=y, dx=dx)
@@ -452,7 +462,7 @@ def measure_row(case, impl, inp, ref, timer, copy) -> dict:
     """One result row: check then time forward and backward of ``impl`` on ``case``."""
     result = dict(fwd=("fail", None), bwd=("fail", None), error="")
     try:
-        call = forward_fn(impl, case.op)
+        call = forward_fn(impl, case.op, case.dropout)
         call_inp = lambda: call(inp)  # noqa: E731
         outs = call_inp()
     except Exception as exc:
@@ -555,7 +565,8 @@ def progress(total):
 
 def pending(cases, impls, done=()):
     """[(case, [impls still to measure])] for the cases with any."""
-    todo = [(c, [i for i in impls if serves(i, c.op) and row_key(c, i) not in done]) for c in cases]
+    todo = [(c, [i for i in impls if serves(i, c.op, c.dropout) and row_key(c, i) not in done])
+            for c in cases]  # fmt: skip
     return [(c, case_impls) for c, case_impls in todo if case_impls]
 
 
@@ -916,7 +927,8 @@ def command(args) -> int:
 
 
 def _bench_command(args) -> int:
-    cases = plan(args.suite or SUITES, args.ops, args.dtypes, args.n, args.quick)
+    dropout = getattr(args, "dropout", 0.0)
+    cases = plan(args.suite or SUITES, args.ops, args.dtypes, args.n, args.quick, dropout)
     if not cases:
         raise UsageError(f"no cases: --ops {','.join(args.ops or [])} is in none of the suites "
                          f"{','.join(args.suite or SUITES)} (image: {','.join(IMAGE_OPS)}; dim0: "

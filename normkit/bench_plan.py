@@ -60,6 +60,7 @@ class Case:
     op: str
     dtype: str
     shape: tuple[int, ...]  # rows (M, N); dim0: (N, M), reduced along dim 0; image: (N, C, H, W)
+    dropout: float = 0.0  # the add-norms' dropout_p (--dropout); 0 for every other op
 
     @property
     def channels_last(self) -> bool:
@@ -68,7 +69,8 @@ class Case:
 
     @property
     def label(self) -> str:
-        return "x".join(map(str, self.shape)) + ("-cl" if self.channels_last else "")
+        return ("x".join(map(str, self.shape)) + ("-cl" if self.channels_last else "")
+                + (f"-p{self.dropout:g}" if self.dropout else ""))
 
     @property
     def numel(self) -> int:
@@ -104,8 +106,9 @@ def _suite_shapes(suite, ns, quick):
     return ROW_OPS, [(max(1, TOTAL // n), n) for n in ns]
 
 
-def plan(suites=SUITES, ops=None, dtypes=None, ns=None, quick=False) -> list[Case]:
-    """The cases of ``suites`` (op-major, then dtype, then shape); a repeated (op, dtype, shape) once."""
+def plan(suites=SUITES, ops=None, dtypes=None, ns=None, quick=False, dropout=0.0) -> list[Case]:
+    """The cases of ``suites`` (op-major, then dtype, then shape); a repeated (op, dtype, shape) once.
+    ``dropout``: the add-norms' dropout_p."""
     dtypes = dtypes or (["bfloat16"] if quick else list(DTYPES))
     cases, seen = [], set()
     for suite in suites:
@@ -118,7 +121,8 @@ def plan(suites=SUITES, ops=None, dtypes=None, ns=None, quick=False) -> list[Cas
                     key = (op, dtype, tuple(shape), suite == "image_cl")
                     if key not in seen:
                         seen.add(key)
-                        cases.append(Case(suite, op, dtype, tuple(shape)))
+                        p = dropout if op.startswith("add_") else 0.0
+                        cases.append(Case(suite, op, dtype, tuple(shape), p))
     return cases
 
 
@@ -154,6 +158,17 @@ def int_list(text):
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
     return values
+
+
+def dropout_p(text):
+    """argparse type: a dropout probability in [0, 1)."""
+    try:
+        p = float(text)
+    except ValueError:
+        p = -1.0
+    if not 0.0 <= p < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a dropout probability in [0, 1), got {text!r}")
+    return p
 
 
 def shard_spec(text):

@@ -300,6 +300,10 @@ def add_bench_parser(sub):
                         "on the device, except npu-kernels-on-cuda: normkit's NPU kernels launched on a CUDA "
                         "GPU, measured only when named)")
     p.add_argument("--quick", action="store_true", help="one small subset of each suite, bfloat16")
+    p.add_argument("--dropout", type=bench.dropout_p, default=0.0, metavar="P",
+                   help="the add-norms with dropout_p=P (fixed seed), checked against fp64 through normkit's "
+                        "mask; measured for normkit (and npu-kernels-on-cuda) only: the others draw their "
+                        "own masks (default: 0)")
     p.add_argument("--out", metavar="DIR",
                    help="write results.json, results.csv, table.txt and plots/*.png here (default: none)")
     p.add_argument("--resume", action="store_true",

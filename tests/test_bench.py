@@ -339,10 +339,31 @@ def test_run_checks_every_op_on_cpu():
     assert bench._exit_status(rows) == 0
 
 
+def test_dropout_cells_are_checked_through_the_mask(monkeypatch):
+    """--dropout: the add-norms run with dropout_p and are checked against fp64 through normkit's mask
+    (torch, drawing its own mask, is not measured); a mask off by one row is "wrong"."""
+    cases = bench.plan(["sweep"], ["add_layer_norm", "add_rms_norm", "layer_norm"], ["float32"], [64],
+                       dropout=0.25)  # fmt: skip
+    assert [(c.op, c.dropout, c.label) for c in cases] == [
+        ("layer_norm", 0.0, "2097152x64"), ("add_layer_norm", 0.25, "2097152x64-p0.25"),
+        ("add_rms_norm", 0.25, "2097152x64-p0.25")]  # fmt: skip
+    cases = [bench.Case("sweep", c.op, c.dtype, (6, 64), c.dropout) for c in cases]
+    rows, _ = bench.run(cases, ["normkit", "torch"], "cpu", fake_timer, copy=100.0)
+    status = {(r["impl"], r["op"]): (r["fwd_status"], r["bwd_status"]) for r in rows}
+    ok = ("ok", "ok")
+    assert status == {("normkit", "add_layer_norm"): ok, ("normkit", "add_rms_norm"): ok,
+                      ("normkit", "layer_norm"): ok, ("torch", "layer_norm"): ok}  # fmt: skip
+    real = bench.rng.keep_mask  # the bench's reference only (normkit's CPU path keeps the real mask)
+    shifted = lambda shape, p, seed, device: real(shape, p, seed + 1, device)  # noqa: E731
+    monkeypatch.setattr(bench, "rng", types.SimpleNamespace(keep_mask=shifted))
+    rows, _ = bench.run(cases[1:], ["normkit"], "cpu", fake_timer, copy=100.0)
+    assert {(r["fwd_status"], r["bwd_status"]) for r in rows} == {("wrong", "wrong")}
+
+
 def test_run_reports_wrong_and_fail_and_goes_on(monkeypatch):
     real = bench.forward_fn
 
-    def forward_fn(impl, op):
+    def forward_fn(impl, op, dropout=0.0):
         if impl == "off":  # 10% off: every output and gradient is wrong
             fn = real("torch", op)
             return lambda i: tuple(1.1 * o for o in fn(i))

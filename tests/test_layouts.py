@@ -15,8 +15,12 @@ from normkit.testing import Executor, assert_close
 
 NATIVE = Executor("cpu", "cpu")  # CPU tensors with no override: torch's own operators
 # (shape, groups): 4-D and 5-D; groups of one channel (InstanceNorm's case), of several, all channels
-INTERPRETER_CASES = [((2, 6, 5, 3), 3), ((2, 4, 3, 2, 3), 2), ((1, 8, 4, 4), 1)]
-DEVICE_CASES = [((4, 64, 28, 28), 32), ((2, 32, 8, 16, 16), 8), ((8, 256, 14, 14), 1), ((2, 6, 33, 35), 6)]
+# CUDA GroupNorm forward, channels-last: runs of Cg channels under 64 bytes (Cg 2, 4, 8) take the
+# [channels, HW] tiles (group_norm._fwd_cl_kernel), 64 bytes and more (Cg 32) the fused kernel
+# (config.GROUP_NORM_CL_FUSED_MIN_RUN); (8, 256, 14, 14) in one group is past the fused limit.
+INTERPRETER_CASES = [((2, 6, 5, 3), 3), ((2, 4, 3, 2, 3), 2), ((1, 8, 4, 4), 1), ((1, 32, 3, 3), 1)]
+DEVICE_CASES = [((4, 64, 28, 28), 32), ((2, 32, 8, 16, 16), 8), ((8, 256, 14, 14), 1), ((2, 6, 33, 35), 6),
+                ((4, 64, 8, 8), 2)]
 OPS = ["group_norm", "instance_norm", "batch_norm-train", "batch_norm-eval"]
 
 
@@ -95,3 +99,15 @@ def test_other_layouts_are_copied_once():
 def test_channels_last_rows_past_the_fused_forward(run_on, monkeypatch, executor, shape, groups):
     """GroupNorm rows too long for the fused forward (CUDA: group_norm._fwd_cl_kernel), fp32."""
     test_channels_last_kept(run_on, monkeypatch, executor, shape, groups, torch.float32, "group_norm")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_channels_last_group_norm_paths(dtype):
+    """Which CUDA forward a channels-last GroupNorm takes (the choice, no kernel run): the fused one
+    for runs of channels of 64 bytes or more, the [channels, HW] tiles below; contiguous inputs fused."""
+    from normkit.backends.cuda import config
+
+    size = dtype.itemsize
+    assert config.group_norm(4 * 2, 64 // size, 64, dtype, cl=True).fused
+    assert not config.group_norm(4 * 32, 32 // size, 64, dtype, cl=True).fused
+    assert config.group_norm(4 * 32, 32 // size, 64, dtype).fused

@@ -678,14 +678,24 @@ def _image_tile(rows: int, HW: int, dtype: torch.dtype, tile: int = IMAGE_TILE, 
     return ImageConfig(hw_block, row_block, _warps(row_block * hw_block, dtype), ())
 
 
+# A channels-last group is HW runs of Cg contiguous channels, C apart. The fused forward reads such
+# runs well only from 64 bytes (H100, 2026-11-26, fraction of copy, fused / the [channels, HW] tiles
+# walked twice: bf16 Cg 8 (16 B) 0.027 / 0.27, Cg 16 (32 B) 0.51 / 0.62; fp32 Cg 8 (32 B) 0.21 /
+# 0.55, Cg 16 (64 B) 0.84 / 0.67; Cg 2 bf16 0.024 / 0.092; docs/tuning-log.md T89).
+GROUP_NORM_CL_FUSED_MIN_RUN = 64
+
+
 @_memoized
-def group_norm(rows: int, Cg: int, HW: int, dtype: torch.dtype) -> ImageConfig:
+def group_norm(rows: int, Cg: int, HW: int, dtype: torch.dtype, cl: bool = False) -> ImageConfig:
     """GroupNorm forward over ``rows`` = N * G rows of Cg channels x HW: fused when a
     [Cg, HW] tile padded to powers of two fits the row norms' fused limit (whole rows in registers,
     one HBM read, per-channel weight / bias loaded once per channel; several short rows to a
-    program), else one program per row looping over 1-D tiles (two reads of the row)."""
+    program) and, channels-last (``cl``), a group's run of channels is at least
+    GROUP_NORM_CL_FUSED_MIN_RUN bytes; else (not fused) one program per row looping over 1-D tiles,
+    or channels-last over [channels, HW] tiles (two reads of the row)."""
     cb, hwb = triton.next_power_of_2(max(1, Cg)), triton.next_power_of_2(max(1, HW))
-    if cb * hwb <= _fused_max(FUSED_MAX_N_FWD, dtype):
+    short_runs = cl and Cg * dtype.itemsize < GROUP_NORM_CL_FUSED_MIN_RUN
+    if cb * hwb <= _fused_max(FUSED_MAX_N_FWD, dtype) and not short_runs:
         r = max(1, min(MAX_ROWS_PER_PROGRAM, TILE_ELEMENTS_FWD // (cb * hwb), triton.next_power_of_2(rows)))
         warps = min(GROUP_NORM_FWD_MAX_WARPS[torch.finfo(dtype).bits // 8], _warps(r * cb * hwb, dtype))
         return ImageConfig(hwb, cb, warps, (triton.cdiv(rows, r),), rows=r, fused=True)

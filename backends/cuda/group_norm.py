@@ -361,7 +361,7 @@ def group_norm_fwd(x, weight, bias, num_groups, eps):
     N, C, HW = x.shape
     cl = channels_last(x)
     rows, L = N * num_groups, C // num_groups * HW
-    cfg = config.group_norm(rows, C // num_groups, HW, x.dtype)
+    cfg = config.group_norm(rows, C // num_groups, HW, x.dtype, cl)
     y = torch.empty_like(x)
     mean = torch.empty(rows, dtype=config.acc_dtype(x.dtype), device=x.device)
     rstd = torch.empty_like(mean)

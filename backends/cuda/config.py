@@ -85,6 +85,26 @@ FUSED_BWD = {
     ),
 }
 
+# The same with dropout (the add-norms' backward regenerating the mask from the hash), where it
+# differs: fp32 without prefetch (the hash's registers make the prefetching tiles spill). H100,
+# ci/measure-bwd-grid.py with dropout 0.1: 0.947-0.958 of copy at N = 128-8192 against 0.73 / 0.75
+# for the 16-bit-tuned entries at N = 256 (docs/tuning-log.md T90).
+FUSED_BWD_DROPOUT = {
+    (False, True): (  # add_layer_norm, fp32 / fp64
+        _FusedBwd(128, 1, 32, 8192, False),
+        _FusedBwd(256, 1, 16, 8192, False),
+        _FusedBwd(2048, 1, 32, 8192, False),
+        _FusedBwd(4096, 1, 16, 8192, False),
+        _FusedBwd(8192, 1, 32, 8192, False),
+    ),
+    (True, True): (  # add_rms_norm, fp32 / fp64
+        _FusedBwd(128, 1, 16, 8192, False),
+        _FusedBwd(512, 1, 32, 8192, False),
+        _FusedBwd(4096, 1, 16, 8192, False),
+        _FusedBwd(16384, 1, 32, 8192, False),
+    ),
+}
+
 # Column tile of the looped (long-row) kernels.
 LOOP_BLOCK_FWD = 8192
 LOOP_BLOCK_BWD = 2048
@@ -539,7 +559,7 @@ def row_sweep(M: int, N: int, dtype: torch.dtype) -> LaunchConfig:
 
 @_memoized
 def backward(M: int, N: int, dtype: torch.dtype, device: torch.device, is_rms: bool, smem_ok: bool = False,
-             partials: int = 2, dres: bool = False) -> LaunchConfig:  # fmt: skip
+             partials: int = 2, dres: bool = False, dropout: bool = False) -> LaunchConfig:  # fmt: skip
     """Row-norm backward (``dres``: the add-norms' backward writing the residual's gradient too).
 
     Fused: a persistent grid (``FUSED_BWD`` table) walks row tiles, each program keeping its
@@ -562,7 +582,9 @@ def backward(M: int, N: int, dtype: torch.dtype, device: torch.device, is_rms: b
     if cfg:
         return cfg
     if fused:
-        entry = next(e for e in FUSED_BWD[is_rms, dtype.itemsize >= 4] if block <= e.max_n)
+        key = (is_rms, dtype.itemsize >= 4)
+        table = (dropout and FUSED_BWD_DROPOUT.get(key)) or FUSED_BWD[key]
+        entry = next(e for e in table if block <= e.max_n)
         rows = max(1, min(MAX_ROWS_PER_PROGRAM, entry.tile_elements // block, triton.next_power_of_2(M)))
         grid = min(entry.programs_per_sm * sm_count(device), triton.cdiv(M, rows))
         per_warp = 32 * entry.elements_per_thread

@@ -1697,7 +1697,7 @@ def _backward(dy, x, weight, mean, rstd, bias_dtype, is_rms, dh=None, x_dtype=No
     M, N = x.shape
     has_w, has_db, has_dres = weight is not None, bias_dtype is not None, residual_dtype is not None
     smem_ok = dropout_p == 0 and dy.dtype.itemsize == 2 and smem.rows_fit(x) and smem.rows_fit(dy)
-    cfg = config.backward(M, N, x.dtype, x.device, is_rms, smem_ok, has_w + has_db, has_dres)
+    cfg = config.backward(M, N, x.dtype, x.device, is_rms, smem_ok, has_w + has_db, has_dres, dropout_p > 0)
     acc = config.acc_dtype(x.dtype)
     dx = torch.empty((M, N), dtype=x_dtype or x.dtype, device=x.device)
     dres = torch.empty((M, N), dtype=residual_dtype, device=x.device) if residual_dtype else None

@@ -843,6 +843,53 @@ def write_outputs(out_dir, parts, rows) -> str:
     return written + f" and {len(plots)} plots in {out_dir / 'plots'}"
 
 
+def compare(sources, floor=0.98, spread_limit=0.03) -> tuple[str, int]:
+    """(report, number of wrong cells) of several results of the same cases, in order (an A/B: the
+    old run first; a repeat: runs of one code). Per (op, dtype, shape, impl) measured ok in every
+    run, forward and backward: each run's GB/s, last / first, and the spread max / min - 1; then
+    per direction the ratios' min / median / max, the cells below ``floor`` and those whose spread
+    passes ``spread_limit``. A cell that failed or was wrong in any run is listed, not compared."""
+    runs = [read_json(src) for src in sources]
+    if len(runs) < 2:
+        raise UsageError(f"--compare: needs two or more results (got {len(runs)})")
+    by_key = [{row_key(r): r for r in rows} for _, rows in runs]
+    keys = [k for k in by_key[0] if all(k in b for b in by_key[1:])]
+    lines = []
+    for i, (src, (parts, _)) in enumerate(zip(sources, runs)):
+        p = parts[0] if parts else {}
+        lines.append(f"run {i + 1}: {src} ({p.get('gpu')}, triton {p.get('triton')}, {p.get('date')})")
+    lines.append(f"{len(keys)} cells in every run; GB/s per run, last / first, spread = max / min - 1")
+    ratios, low, wide, bad = {"fwd": [], "bwd": []}, [], [], []
+    for key in keys:
+        cells = [b[key] for b in by_key]
+        name = " ".join(map(str, key))
+        text = [name]
+        for d in ("fwd", "bwd"):
+            status = {c[f"{d}_status"] for c in cells}
+            if status == {None} or status == {"-"}:
+                continue
+            if status != {"ok"}:
+                bad.append(f"{name} {d}: " + " / ".join(c[f"{d}_status"] or "-" for c in cells))
+                continue
+            v = [c[f"{d}_gbps"] for c in cells]
+            ratio, spread = v[-1] / v[0], max(v) / min(v) - 1
+            ratios[d].append(ratio)
+            low += [f"{name} {d} {ratio:.3f}"] if ratio < floor else []
+            wide += [f"{name} {d} {spread:.1%}"] if spread > spread_limit else []
+            text.append(f"{d} " + " ".join(_num(x) for x in v) + f" x{ratio:.3f} ~{spread:.1%}")
+        lines.append("  ".join(text))
+    for d, r in ratios.items():
+        if r:
+            r = sorted(r)
+            lines.append(f"{d}: last / first min {r[0]:.3f}, median {r[len(r) // 2]:.3f}, max {r[-1]:.3f} "
+                         f"over {len(r)} cells")  # fmt: skip
+    lines.append(f"below {floor}: {len(low)}" + "".join(f"\n  {c}" for c in low))
+    lines.append(f"spread over {spread_limit:.0%}: {len(wide)}" + "".join(f"\n  {c}" for c in wide))
+    if bad:
+        lines.append(f"not compared (fail / wrong in a run): {len(bad)}" + "".join(f"\n  {c}" for c in bad))
+    return "\n".join(lines), sum("wrong" in c for c in bad)
+
+
 # --- the command ----------------------------------------------------------------------------------
 
 
@@ -914,6 +961,10 @@ def resolve_device(requested="auto") -> str:
 def command(args) -> int:
     """`normkit bench` (see the CLI's help): exit 0, 1 if any result is wrong, 2 on a usage error."""
     try:
+        if getattr(args, "compare", None):
+            report, wrong = compare(args.compare)
+            print(report)
+            return 1 if wrong else 0
         if args.merge:
             return _merge_command(args)
         if getattr(args, "device", None) == "cpu" and not args.list:

@@ -271,6 +271,9 @@ command) and merging the parts:
   normkit bench --merge p1,p2,p3,p4,p5,p6,p7,p8 --out all
 or re-run one command until it has done everything (results are saved after each measurement):
   normkit bench --out all --resume
+An A/B of two installs, or the spread of three runs of one, on one machine:
+  normkit bench --suite sweep --out old ... normkit bench --suite sweep --out new
+  normkit bench --compare old,new
 """
 
 
@@ -313,6 +316,10 @@ def add_bench_parser(sub):
     p.add_argument("--merge", type=lambda s: [t for t in s.split(",") if t], metavar="DIRS",
                    help="merge the results.json of these comma-separated DIRs (or .json files) into one "
                         "table (and --out DIR set); measures nothing, needs no GPU")
+    p.add_argument("--compare", type=lambda s: [t for t in s.split(",") if t], metavar="DIRS",
+                   help="compare the results of these comma-separated DIRs (or .json files), run by run: "
+                        "each cell's GB/s, last / first (an A/B: the old run first), the spread of repeated "
+                        "runs, the cells below 0.98 and over 3%%; measures nothing, needs no GPU")
     p.add_argument("--list", action="store_true", help="print the cases and exit (needs no GPU)")
     p.add_argument("--rep-ms", type=float, default=100, metavar="MS",
                    help="time spent timing each measurement (do_bench on cuda, events on npu; default: 100)")

@@ -187,7 +187,8 @@ def test_help_lists_every_option(capsys):
     with pytest.raises(SystemExit):
         parse("--help")
     out = capsys.readouterr().out
-    options = "--suite --ops --dtypes --n --device --impls --quick --out --resume --shard --merge --list "
+    options = "--suite --ops --dtypes --n --device --impls --quick --out --resume --shard --merge --compare "
+    options += "--list "
     options += "--rep-ms --warmup-ms"
     assert all(option in out for option in options.split())
     assert all(suite in out for suite in bench.SUITES)
@@ -253,6 +254,58 @@ def test_merge_of_a_wrong_result_exits_1(tmp_path):
     row = bench.make_row(bench.Case("sweep", "softmax", "bfloat16", (4, 4)), "torch", 1.0, ("wrong", None))
     bench.write_json(tmp_path / "results.json", [meta(1.0)], [row])
     assert cli.main(["bench", "--merge", str(tmp_path)]) == 1
+
+
+def _runs(tmp_path, slow_ms, statuses=("ok", "ok", "ok")):
+    """Three results of two cases (normkit and torch each): run 3's normkit rms_norm 1024 takes
+    ``slow_ms`` forward (1.0 in the others) and, in each run, the forward status given."""
+    case, other = (bench.Case("sweep", "rms_norm", "bfloat16", ((1 << 27) // n, n)) for n in (1024, 4096))
+    dirs = []
+    for i, status in enumerate(statuses):
+        fwd = slow_ms if i == 2 else 1.0
+        rows = [bench.make_row(case, "normkit", 3000.0, (status, fwd), ("ok", 2.0)),
+                bench.make_row(other, "normkit", 3000.0, ("ok", 1.0), ("ok", 2.0))]  # fmt: skip
+        rows += [bench.make_row(c, "torch", 3000.0, ("ok", 3.0), ("ok", 6.0)) for c in (case, other)]
+        (tmp_path / f"r{i}").mkdir()
+        bench.write_json(tmp_path / f"r{i}" / "results.json", [meta(3000.0)], rows)
+        dirs.append(str(tmp_path / f"r{i}"))
+    return dirs, case
+
+
+def test_compare_reports_ratio_and_spread(tmp_path, capsys):
+    dirs, case = _runs(tmp_path, 1.25)
+    assert cli.main(["bench", "--compare", ",".join(dirs)]) == 0
+    out = capsys.readouterr().out
+    gbps = case.bytes()[0] / 1.0 / 1e6  # the forward's GB/s at 1.0 ms
+    assert "4 cells in every run" in out
+    line = next(x for x in out.splitlines() if x.startswith("rms_norm bfloat16 131072x1024 normkit"))
+    assert f"fwd {bench._num(gbps)} {bench._num(gbps)} {bench._num(gbps / 1.25)} x0.800 ~25.0%" in line
+    assert "bwd" in line and "x1.000 ~0.0%" in line
+    assert "fwd: last / first min 0.800, median 1.000, max 1.000 over 4 cells" in out
+    assert "below 0.98: 1\n  rms_norm bfloat16 131072x1024 normkit fwd 0.800" in out
+    assert "spread over 3%: 1\n  rms_norm bfloat16 131072x1024 normkit fwd 25.0%" in out
+
+
+def test_compare_within_the_limits_lists_nothing(tmp_path, capsys):
+    dirs, _ = _runs(tmp_path, 1.02)  # 0.980 of the first run, 2.0% spread: at the limits, not past them
+    assert cli.main(["bench", "--compare", ",".join(dirs[::2])]) == 0
+    out = capsys.readouterr().out
+    assert "below 0.98: 0" in out and "spread over 3%: 0" in out and "x0.980" in out
+
+
+def test_compare_lists_a_wrong_cell_and_exits_1(tmp_path, capsys):
+    dirs, _ = _runs(tmp_path, 1.0, statuses=("ok", "wrong", "ok"))
+    assert cli.main(["bench", "--compare", ",".join(dirs)]) == 1
+    out = capsys.readouterr().out
+    listed = "not compared (fail / wrong in a run): 1\n  rms_norm bfloat16 131072x1024 normkit fwd: "
+    assert listed + "ok / wrong / ok" in out
+    assert "fwd: last / first min 1.000, median 1.000, max 1.000 over 3 cells" in out
+
+
+def test_compare_needs_two_runs(tmp_path, capsys):
+    dirs, _ = _runs(tmp_path, 1.0)
+    assert cli.main(["bench", "--compare", dirs[0]]) == 2
+    assert "needs two or more results" in capsys.readouterr().err
 
 
 def test_merge_of_a_missing_dir_exits_2(tmp_path, capsys):

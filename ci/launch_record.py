@@ -68,7 +68,17 @@ class Recorder:
             return str(a)
         return repr(getattr(a, "value", a))  # a tl.constexpr by its value
 
-    def record(self, fn, grid, args, meta) -> None:
+    def out(self, result):
+        """Append what a call returned (tensors by name), and return it."""
+        def desc(v):
+            if isinstance(v, (tuple, list)):
+                return "(" + ", ".join(map(desc, v)) + ")"
+            return self._arg(v) if isinstance(v, torch.Tensor) else repr(v)
+
+        self.lines.append("-> " + desc(result))
+        return result
+
+    def record(self, fn, grid, args, meta, suffix="") -> None:
         inner = getattr(fn, "fn", fn)
         params = list(inspect.signature(inner).parameters)
         given = dict(zip(params, args), **meta)
@@ -76,17 +86,17 @@ class Recorder:
         fields = [f"{p}={self._arg(given[p])}" for p in params if p in given]
         fields += [f"{k}={meta[k]}" for k in extra]
         self.lines.append(f"{inner.__module__.rsplit('.', 1)[-1]}.{inner.__name__} grid={tuple(grid)} "
-                          + " ".join(fields))  # fmt: skip
+                          + " ".join(fields) + suffix)  # fmt: skip
 
     def launch(self, fn, grid, *args, key=None, **meta):
-        self.record(fn, grid, args, meta)
+        self.record(fn, grid, args, meta, f" key={key!r}")
 
     def bound(self, fn, grid, device_index=None, **meta):
         recorder = self
 
         class _Bound:
             def __call__(self, *args):
-                recorder.record(fn, grid, args, meta)
+                recorder.record(fn, grid, args, meta, f" bound to device {device_index}")
 
         return _Bound()
 
@@ -148,27 +158,27 @@ def _calls(cuda, rec: Recorder, dtypes=DTYPES, row_ns=ROW_NS, images=IMAGES):
             t = dict(x=x, w=w, b=b, r=r, dy=dy, mean=mean, rstd=rstd)
             tag = f"{str(dtype)[6:]} {m}x{n}" + (f" row stride {n + pad}" if pad else "")
             rec.start(f"layer_norm_fwd {tag}", **t)
-            cuda.layer_norm_fwd(x, w, b, 1e-5)
+            rec.out(cuda.layer_norm_fwd(x, w, b, 1e-5))
             rec.start(f"layer_norm_bwd {tag}", **t)
-            cuda.layer_norm_bwd(dy, x, w, mean, rstd, dtype)
+            rec.out(cuda.layer_norm_bwd(dy, x, w, mean, rstd, dtype))
             rec.start(f"rms_norm_fwd {tag}", **t)
-            cuda.rms_norm_fwd(x, w, 1e-5)
+            rec.out(cuda.rms_norm_fwd(x, w, 1e-5))
             rec.start(f"rms_norm_bwd {tag}", **t)
-            cuda.rms_norm_bwd(dy, x, w, rstd)
+            rec.out(cuda.rms_norm_bwd(dy, x, w, rstd))
             for p in (0.0, 0.1):
                 rec.start(f"add_layer_norm_fwd p={p} {tag}", **t)
-                cuda.add_layer_norm_fwd(x, r, w, b, 1e-5, p, 7, dtype)
+                rec.out(cuda.add_layer_norm_fwd(x, r, w, b, 1e-5, p, 7, dtype))
                 rec.start(f"add_layer_norm_bwd p={p} {tag}", **t)
-                cuda.add_layer_norm_bwd(dy, None, x, w, mean, rstd, dtype, p, 7, dtype, dtype)
+                rec.out(cuda.add_layer_norm_bwd(dy, None, x, w, mean, rstd, dtype, p, 7, dtype, dtype))
                 rec.start(f"add_rms_norm_fwd p={p} {tag}", **t)
-                cuda.add_rms_norm_fwd(x, None, w, 1e-5, p, 7, dtype)
+                rec.out(cuda.add_rms_norm_fwd(x, None, w, 1e-5, p, 7, dtype))
                 rec.start(f"add_rms_norm_bwd p={p} {tag}", **t)
-                cuda.add_rms_norm_bwd(dy, dy, x, w, rstd, p, 7, dtype, None)
+                rec.out(cuda.add_rms_norm_bwd(dy, dy, x, w, rstd, p, 7, dtype, None))
             for log in (False, True):
                 rec.start(f"softmax_fwd log={log} {tag}", **t)
-                cuda.softmax_fwd(x, log)
+                rec.out(cuda.softmax_fwd(x, log))
                 rec.start(f"softmax_bwd log={log} {tag}", **t)
-                cuda.softmax_bwd(dy, x, log)
+                rec.out(cuda.softmax_bwd(dy, x, log))
             kinds = ((False, False), (True, False), (True, True))  # (is_rms, add)
             plans = [] if pad else list(itertools.product((False, True), kinds))
             for grad, (is_rms, add) in plans:  # (plans serve contiguous inputs only)
@@ -179,11 +189,11 @@ def _calls(cuda, rec: Recorder, dtypes=DTYPES, row_ns=ROW_NS, images=IMAGES):
                     rec.lines.append("(no plan)")
                     continue
                 if not grad:
-                    plan(x, r if add else None, w, None if is_rms else b)
+                    rec.out(plan(x, r if add else None, w, None if is_rms else b))
                     continue
                 forward, backward = plan
-                y, h, mu, rs = forward(x, r if add else None, w, None if is_rms else b)
-                backward(dy, None, x, w, mu, rs)
+                y, h, mu, rs = rec.out(forward(x, r if add else None, w, None if is_rms else b))
+                rec.out(backward(dy, None, x, w, mu, rs))
             for grad, log in [] if pad else itertools.product((False, True), (False, True)):
                 rec.start(f"plan_softmax log={log} grad={grad} {tag}", **t)
                 plan = cuda.plan_softmax(x, log, grad)
@@ -191,10 +201,10 @@ def _calls(cuda, rec: Recorder, dtypes=DTYPES, row_ns=ROW_NS, images=IMAGES):
                     rec.lines.append("(no plan)")
                     continue
                 if not grad:
-                    plan(x)
+                    rec.out(plan(x))
                     continue
                 forward, backward = plan
-                backward(dy, forward(x))
+                rec.out(backward(dy, forward(x)))
     for dtype, (n, c, hw, g) in itertools.product([d for d in dtypes if d != torch.float64], images):
         acc = torch.float32
         for cl in (False, True):
@@ -207,9 +217,9 @@ def _calls(cuda, rec: Recorder, dtypes=DTYPES, row_ns=ROW_NS, images=IMAGES):
             t = dict(x=x, w=w, b=b, dy=dy, mean=mean, rstd=rstd)
             tag = f"{str(dtype)[6:]} {n}x{c}x{hw} G={g} cl={cl}"
             rec.start(f"group_norm_fwd {tag}", **t)
-            cuda.group_norm_fwd(x, w, b, g, 1e-5)
+            rec.out(cuda.group_norm_fwd(x, w, b, g, 1e-5))
             rec.start(f"group_norm_bwd {tag}", **t)
-            cuda.group_norm_bwd(dy, x, w, mean, rstd, g, dtype)
+            rec.out(cuda.group_norm_bwd(dy, x, w, mean, rstd, g, dtype))
             for grad in () if cl else (False, True):  # plans serve contiguous inputs only
                 rec.start(f"plan_group_norm grad={grad} {tag}", **t)
                 plan = cuda.plan_group_norm(x, w, b, g, 1e-5, grad)
@@ -217,26 +227,26 @@ def _calls(cuda, rec: Recorder, dtypes=DTYPES, row_ns=ROW_NS, images=IMAGES):
                     rec.lines.append("(no plan)")
                     continue
                 if not grad:
-                    plan(x, None, w, b)
+                    rec.out(plan(x, None, w, b))
                     continue
                 forward, backward = plan
-                y, _, mu, rs = forward(x, None, w, b)
-                backward(dy, None, x, w, mu, rs)
+                y, _, mu, rs = rec.out(forward(x, None, w, b))
+                rec.out(backward(dy, None, x, w, mu, rs))
             if cl:
                 continue
             rm, rv = torch.empty(c, device=dev, dtype=acc), torch.empty(c, device=dev, dtype=acc)
             cm, cr = torch.empty(c, device=dev, dtype=acc), torch.empty(c, device=dev, dtype=acc)
             t.update(rm=rm, rv=rv, cm=cm, cr=cr)
             rec.start(f"batch_norm_stats {tag}", **t)
-            cuda.batch_norm_stats(x, 1e-5, 0.1, rm, rv)
+            rec.out(cuda.batch_norm_stats(x, 1e-5, 0.1, rm, rv))
             rec.start(f"batch_norm_apply {tag}", **t)
-            cuda.batch_norm_apply(x, w, b, cm, cr)
+            rec.out(cuda.batch_norm_apply(x, w, b, cm, cr))
             for in_place in (False, True):
                 rec.start(f"batch_norm_train_fwd in_place={in_place} {tag}", **t)
-                cuda.batch_norm_train_fwd(x, w, b, 1e-5, 0.1, rm, rv, in_place)
+                rec.out(cuda.batch_norm_train_fwd(x, w, b, 1e-5, 0.1, rm, rv, in_place))
             for training in (False, True):
                 rec.start(f"batch_norm_bwd training={training} {tag}", **t)
-                cuda.batch_norm_bwd(dy, x, w, cm, cr, training, dtype)
+                rec.out(cuda.batch_norm_bwd(dy, x, w, cm, cr, training, dtype))
                 for grad in (False, True):
                     rec.start(f"plan_batch_norm training={training} grad={grad} {tag}", **t)
                     plan = cuda.plan_batch_norm(x, w, b, rm, rv, 1e-5, training, grad)
@@ -244,11 +254,11 @@ def _calls(cuda, rec: Recorder, dtypes=DTYPES, row_ns=ROW_NS, images=IMAGES):
                         rec.lines.append("(no plan)")
                         continue
                     if not grad:
-                        plan(x, w, b, rm, rv, 0.1)
+                        rec.out(plan(x, w, b, rm, rv, 0.1))
                         continue
                     forward, backward = plan
-                    y, mu, rs = forward(x, w, b, rm, rv, 0.1)
-                    backward(dy, x, w, mu, rs)
+                    y, mu, rs = rec.out(forward(x, w, b, rm, rv, 0.1))
+                    rec.out(backward(dy, x, w, mu, rs))
 
 
 def record(in_parts: bool = False, **grid) -> list[str]:

@@ -318,7 +318,7 @@ def main(argv=None) -> int:
     for call in changed[:20]:
         diff = difflib.unified_diff(old[call], new[call], args.against, "this tree", n=0, lineterm="")
         print("\n".join(diff))
-    launches = sum(len(v) - 1 for v in new.values())
+    launches = sum(not line.startswith(("->", "(no plan)")) for v in new.values() for line in v[1:])
     summary = f"{len(new)} calls ({launches} launches) here: {len(changed)} launch differently than at "
     summary += args.against
     summary += f" (the first {min(20, len(changed))} above)" if changed else ""

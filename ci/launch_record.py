@@ -35,9 +35,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 SM_COUNT = 132  # H100 SXM
 SMEM_PER_BLOCK = 232448  # H100: 227 KB opt-in
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-ROW_NS = (1, 7, 64, 256, 1000, 1024, 4096, 8192, 16384, 32768, 40999, 65536, 131072, 262144)
+ROW_NS = (1, 7, 64, 256, 1000, 1024, 4096, 8192, 16384, 32768, 40999, 65536, 131072, 262144, 1048576)
 IMAGES = ((2, 6, 9, 3), (128, 256, 56 * 56, 32), (32, 256, 56 * 56, 32), (8, 64, 28 * 28, 32),
-          (4, 512, 7 * 7, 32), (16, 64, 112 * 112, 8))  # (N, C, HW, groups)  # fmt: skip
+          (4, 512, 7 * 7, 32), (16, 64, 112 * 112, 8), (4096, 64, 1, 8))  # (N, C, HW, groups)  # fmt: skip
 
 
 class Recorder:

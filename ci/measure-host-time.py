@@ -4,6 +4,13 @@ Run on a GPU: python3 ci/measure-host-time.py [profile]. For each op and a small
 microseconds per call issued back to back (forward, and forward + backward), which is host-bound
 when the kernels are this small, and the GPU time of the same call from do_bench. With
 ``profile``, a cProfile of 500 normkit layer_norm forward calls (top functions by own time).
+
+python3 ci/measure-host-time.py calls [device [n]]: the host time of one call as issue 43 states it,
+as a markdown table: layer_norm, rms_norm, softmax and the add-norms at (16, 4096) and (32768,
+4096), bf16, normkit against torch eager in this process; per call the median over n (200) calls of
+perf_counter around the forward alone, and around the forward + ``backward(dy)``, the device
+synchronized before each timed call and outside the timed region (so the host never waits for a
+queue it filled). ``device`` (default cuda): ``cpu`` runs the same protocol on CPU tensors.
 """
 
 import cProfile
@@ -49,7 +56,66 @@ def per_call_us(fn, n=300):
     return (time.perf_counter() - t) / n * 1e6
 
 
+def _calls(device):
+    """(name, normkit call, torch eager call) of issue 43's host-time table."""
+    for m in (16, 32768):
+        yield from _calls_of(torch.randn(m, 4096, device=device, dtype=DT, requires_grad=True))
+
+
+def _calls_of(x):
+    r = torch.randn_like(x, requires_grad=True)
+    w = torch.randn(4096, device=x.device, dtype=DT, requires_grad=True)
+    b = torch.randn_like(w, requires_grad=True)
+    shape = f"{x.shape[0]}x4096"
+    return [
+        (f"layer_norm {shape}", lambda: normkit.layer_norm(x, (4096,), w, b),
+         lambda: F.layer_norm(x, (4096,), w, b)),
+        (f"rms_norm {shape}", lambda: normkit.rms_norm(x, (4096,), w), lambda: F.rms_norm(x, (4096,), w)),
+        (f"softmax {shape}", lambda: normkit.softmax(x, -1), lambda: F.softmax(x, -1)),
+        (f"add_layer_norm {shape}", lambda: normkit.add_layer_norm(x, r, (4096,), w, b),
+         lambda: F.layer_norm(x + r, (4096,), w, b)),
+        (f"add_rms_norm {shape}", lambda: normkit.add_rms_norm(x, r, (4096,), w),
+         lambda: F.rms_norm(x + r, (4096,), w)),
+    ]  # fmt: skip
+
+
+def host_us(fn, device, n=200, warmup=20):
+    """Median microseconds of host time of ``fn()``, the device synchronized before each call and
+    outside the timed region."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    times = []
+    for i in range(warmup + n):
+        sync()
+        t = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t
+        if i >= warmup:
+            times.append(dt)
+    sync()
+    return sorted(times)[len(times) // 2] * 1e6
+
+
+def calls_table(device="cuda", n=200):
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    print(f"{name}, torch {torch.__version__}; host time of one call, median of {n} (us), bf16")
+    print("| call | normkit fwd | torch fwd | ratio | normkit fwd+bwd | torch fwd+bwd | ratio |")
+    print("|---|---|---|---|---|---|---|")
+    for case, nk, th in _calls(device):
+        row = []
+        for fn in (nk, th):
+            with torch.no_grad():
+                row.append(host_us(fn, device, n))
+        dy = torch.randn_like(th())
+        for fn in (nk, th):
+            row.append(host_us(lambda fn=fn, dy=dy: fn().backward(dy), device, n))
+        cells = f"{row[0]:.1f} | {row[1]:.1f} | {row[0] / row[1]:.2f} | {row[2]:.1f} | {row[3]:.1f}"
+        print(f"| {case} | {cells} | {row[2] / row[3]:.2f} |", flush=True)
+
+
 def main():
+    if sys.argv[1:2] == ["calls"]:
+        device, n = (sys.argv[2:] + ["cuda", "200"][len(sys.argv[2:]):])[:2]
+        return calls_table(device, int(n))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; us per call (host-bound loop) "
           f"and GPU us (do_bench)")
     print(f"{'case':<26} {'normkit fwd':>12} {'torch fwd':>10} {'normkit f+b':>12} {'torch f+b':>10} "

@@ -78,6 +78,17 @@ class Recorder:
         self.lines.append("-> " + desc(result))
         return result
 
+    def plan(self, plan, grad, args, backward_args) -> None:
+        """Run and record a plan: none (refused), the inference plan on ``args``, or the training
+        plan's forward on ``args`` and its backward on ``backward_args(forward's result)``."""
+        if plan is None:
+            self.lines.append("(no plan)")
+        elif not grad:
+            self.out(plan(*args))
+        else:
+            forward, backward = plan
+            self.out(backward(*backward_args(self.out(forward(*args)))))
+
     def record(self, fn, grid, args, meta, suffix="") -> None:
         inner = getattr(fn, "fn", fn)
         params = list(inspect.signature(inner).parameters)
@@ -185,26 +196,11 @@ def _calls(cuda, rec: Recorder, dtypes=DTYPES, row_ns=ROW_NS, images=IMAGES):
                 rec.start(f"plan_row_norm rms={is_rms} add={add} grad={grad} {tag}", **t)
                 plan = cuda.plan_row_norm(x, w, None if is_rms else b, 1e-5, is_rms, add, r if add else None,
                                           dtype if add else None, grad)  # fmt: skip
-                if plan is None:
-                    rec.lines.append("(no plan)")
-                    continue
-                if not grad:
-                    rec.out(plan(x, r if add else None, w, None if is_rms else b))
-                    continue
-                forward, backward = plan
-                y, h, mu, rs = rec.out(forward(x, r if add else None, w, None if is_rms else b))
-                rec.out(backward(dy, None, x, w, mu, rs))
+                rec.plan(plan, grad, (x, r if add else None, w, None if is_rms else b),
+                         lambda f, dy=dy, x=x, w=w: (dy, None, x, w, f[2], f[3]))  # fmt: skip
             for grad, log in [] if pad else itertools.product((False, True), (False, True)):
                 rec.start(f"plan_softmax log={log} grad={grad} {tag}", **t)
-                plan = cuda.plan_softmax(x, log, grad)
-                if plan is None:
-                    rec.lines.append("(no plan)")
-                    continue
-                if not grad:
-                    rec.out(plan(x))
-                    continue
-                forward, backward = plan
-                rec.out(backward(dy, forward(x)))
+                rec.plan(cuda.plan_softmax(x, log, grad), grad, (x,), lambda y, dy=dy: (dy, y))
     for dtype, (n, c, hw, g) in itertools.product([d for d in dtypes if d != torch.float64], images):
         acc = torch.float32
         for cl in (False, True):
@@ -222,16 +218,8 @@ def _calls(cuda, rec: Recorder, dtypes=DTYPES, row_ns=ROW_NS, images=IMAGES):
             rec.out(cuda.group_norm_bwd(dy, x, w, mean, rstd, g, dtype))
             for grad in () if cl else (False, True):  # plans serve contiguous inputs only
                 rec.start(f"plan_group_norm grad={grad} {tag}", **t)
-                plan = cuda.plan_group_norm(x, w, b, g, 1e-5, grad)
-                if plan is None:
-                    rec.lines.append("(no plan)")
-                    continue
-                if not grad:
-                    rec.out(plan(x, None, w, b))
-                    continue
-                forward, backward = plan
-                y, _, mu, rs = rec.out(forward(x, None, w, b))
-                rec.out(backward(dy, None, x, w, mu, rs))
+                rec.plan(cuda.plan_group_norm(x, w, b, g, 1e-5, grad), grad, (x, None, w, b),
+                         lambda f, dy=dy, x=x, w=w: (dy, None, x, w, f[2], f[3]))  # fmt: skip
             if cl:
                 continue
             rm, rv = torch.empty(c, device=dev, dtype=acc), torch.empty(c, device=dev, dtype=acc)
@@ -250,15 +238,8 @@ def _calls(cuda, rec: Recorder, dtypes=DTYPES, row_ns=ROW_NS, images=IMAGES):
                 for grad in (False, True):
                     rec.start(f"plan_batch_norm training={training} grad={grad} {tag}", **t)
                     plan = cuda.plan_batch_norm(x, w, b, rm, rv, 1e-5, training, grad)
-                    if plan is None:
-                        rec.lines.append("(no plan)")
-                        continue
-                    if not grad:
-                        rec.out(plan(x, w, b, rm, rv, 0.1))
-                        continue
-                    forward, backward = plan
-                    y, mu, rs = rec.out(forward(x, w, b, rm, rv, 0.1))
-                    rec.out(backward(dy, x, w, mu, rs))
+                    backward_args = lambda f, dy=dy, x=x, w=w: (dy, x, w, f[1], f[2])  # noqa: E731
+                    rec.plan(plan, grad, (x, w, b, rm, rv, 0.1), backward_args)
 
 
 def record(in_parts: bool = False, **grid) -> list[str]:

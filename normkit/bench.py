@@ -859,7 +859,7 @@ def compare(sources, floor=0.98, spread_limit=0.03) -> tuple[str, int]:
         p = parts[0] if parts else {}
         lines.append(f"run {i + 1}: {src} ({p.get('gpu')}, triton {p.get('triton')}, {p.get('date')})")
     lines.append(f"{len(keys)} cells in every run; GB/s per run, last / first, spread = max / min - 1")
-    ratios, low, wide, bad = {"fwd": [], "bwd": []}, [], [], []
+    ratios, low, wide, bad, wrong = {"fwd": [], "bwd": []}, [], [], [], 0
     for key in keys:
         cells = [b[key] for b in by_key]
         name = " ".join(map(str, key))
@@ -869,6 +869,7 @@ def compare(sources, floor=0.98, spread_limit=0.03) -> tuple[str, int]:
             if status == {None} or status == {"-"}:
                 continue
             if status != {"ok"}:
+                wrong += "wrong" in status
                 bad.append(f"{name} {d}: " + " / ".join(c[f"{d}_status"] or "-" for c in cells))
                 continue
             v = [c[f"{d}_gbps"] for c in cells]
@@ -887,7 +888,7 @@ def compare(sources, floor=0.98, spread_limit=0.03) -> tuple[str, int]:
     lines.append(f"spread over {spread_limit:.0%}: {len(wide)}" + "".join(f"\n  {c}" for c in wide))
     if bad:
         lines.append(f"not compared (fail / wrong in a run): {len(bad)}" + "".join(f"\n  {c}" for c in bad))
-    return "\n".join(lines), sum("wrong" in c for c in bad)
+    return "\n".join(lines), wrong
 
 
 # --- the command ----------------------------------------------------------------------------------

@@ -277,6 +277,11 @@ An A/B of two installs, or the spread of three runs of one, on one machine:
 """
 
 
+def _dirs(text: str) -> list[str]:
+    """A comma-separated list of result directories (or .json files)."""
+    return [t for t in text.split(",") if t]
+
+
 def add_bench_parser(sub):
     """The `normkit bench` subcommand and its arguments (from normkit.bench_plan: no torch)."""
     bench = bench_plan  # what normkit.bench re-exports, without importing torch
@@ -313,10 +318,10 @@ def add_bench_parser(sub):
                    help="keep DIR's results and measure only the (case, implementation) pairs not there")
     p.add_argument("--shard", type=bench.shard_spec, metavar="I/K",
                    help="run every K-th case from the I-th, so K invocations cover the plan")
-    p.add_argument("--merge", type=lambda s: [t for t in s.split(",") if t], metavar="DIRS",
+    p.add_argument("--merge", type=_dirs, metavar="DIRS",
                    help="merge the results.json of these comma-separated DIRs (or .json files) into one "
                         "table (and --out DIR set); measures nothing, needs no GPU")
-    p.add_argument("--compare", type=lambda s: [t for t in s.split(",") if t], metavar="DIRS",
+    p.add_argument("--compare", type=_dirs, metavar="DIRS",
                    help="compare the results of these comma-separated DIRs (or .json files), run by run: "
                         "each cell's GB/s, last / first (an A/B: the old run first), the spread of repeated "
                         "runs, the cells below 0.98 and over 3%%; measures nothing, needs no GPU")

@@ -354,6 +354,47 @@ def _bwd_smem_kernel(
     cp.wait_group(0)
 
 
+# --- launches: each kernel's arguments spelled once, for the eager launchers and the plans -----------
+
+
+def _fwd_kernel(cfg, flags, cl=False, stats=None):
+    """(kernel, launch keywords) of the fused or looped forward config ``cfg``; ``stats`` False: the
+    fused kernel writes no statistics (inference plans)."""
+    if not cfg.fused:
+        return _fwd_looped_kernel, dict(BLOCK=cfg.hw_block, **flags)
+    meta = dict(ROWS=cfg.rows, CB=cfg.row_block, HWB=cfg.hw_block)
+    if stats is not None:
+        meta["STATS"] = stats
+    return _fwd_fused_kernel, dict(meta, **flags, **({"CL": True} if cl else {}))
+
+
+def _fwd_args(cfg, x, y, w, b, mean, rstd, G, eps, eps_lo) -> tuple:
+    """The positional arguments of :func:`_fwd_kernel`'s kernel: x (N, C, HW), y, the weight and
+    bias (or placeholders), the statistics."""
+    N, C, HW = x.shape
+    Cg = C // G
+    if cfg.fused:
+        return (x, y, w, b, mean, rstd, N * G, G, HW, Cg, eps, eps_lo)
+    return (x, y, w, b, mean, rstd, G, C, Cg * HW, HW, Cg, eps, eps_lo)
+
+
+def _bwd_launch(shape, G, dtype, has_w, has_db, in_smem=None, cl=False):
+    """(kernel, grid, launch keywords, trailing arguments) of the backward: the shared-memory kernel
+    where ``in_smem`` (its config) is given, else the one-program-per-row kernel. Its arguments:
+    (x, dy, dx, weight, mean, rstd, dweight partials, dbias partials, *trailing)."""
+    N, C, HW = shape
+    Cg = C // G
+    if in_smem is not None:
+        meta = _bwd_smem_meta(in_smem, Cg, has_w, has_db)
+        return _bwd_smem_kernel, in_smem.grid, meta, (N * G, G, C, HW, Cg, Cg * HW)
+    cfg = config.group_norm_backward(N * G, Cg, HW, dtype)
+    meta = dict(CB=cfg.row_block, HWB=cfg.hw_block, HAS_W=has_w, HAS_DB=has_db,
+                ACC=config.tl_acc_dtype(dtype), num_warps=cfg.num_warps)  # fmt: skip
+    if cl:
+        meta["CL"] = True
+    return _bwd_kernel, cfg.grid, meta, (G, C, HW, Cg)
+
+
 def group_norm_fwd(x, weight, bias, num_groups, eps):
     """x: (N, C, HW), contiguous or channels-last (``common.channels_last``) -> (y in x's layout,
     mean, rstd), statistics per (n, g): shape (N * G,). Channels-last inputs take the fused kernel or
@@ -378,17 +419,12 @@ def group_norm_fwd(x, weight, bias, num_groups, eps):
         launch(_fwd_cl_kernel, tile.grid, x, y, w, b, mean, rstd, num_groups, C, HW, C // num_groups, eps,
                eps_lo, CB=tile.row_block, HWB=tile.hw_block,
                **dict(flags, num_warps=tile.num_warps))  # fmt: skip
-    elif cfg.fused:
-        if cl:
-            flags["CL"] = True
-        launch(_fwd_fused_kernel, cfg.grid, x, y, w, b, mean, rstd, rows, num_groups, HW, C // num_groups,
-               eps, eps_lo, ROWS=cfg.rows, CB=cfg.row_block, HWB=cfg.hw_block, **flags)  # fmt: skip
-    elif split is not None:
+    elif cfg.fused or split is None:
+        kernel, meta = _fwd_kernel(cfg, flags, cl)
+        launch(kernel, cfg.grid, *_fwd_args(cfg, x, y, w, b, mean, rstd, num_groups, eps, eps_lo), **meta)
+    else:
         _split_forward(split, x.shape, x.dtype, x.device, weight is not None, bias is not None, num_groups,
                        eps)(x, y, w, b, mean, rstd)  # fmt: skip
-    else:
-        launch(_fwd_looped_kernel, cfg.grid, x, y, w, b, mean, rstd, num_groups, C, L, HW, C // num_groups,
-               eps, eps_lo, BLOCK=cfg.hw_block, **flags)  # fmt: skip
     return y, mean, rstd
 
 
@@ -426,20 +462,15 @@ def plan_group_norm(x, weight, bias, num_groups, eps, grad=False):
     affine = weight is not None or bias is not None
     split = None if cfg.fused else config.group_norm_split_forward(rows, Cg * HW, num_groups, x.dtype,
                                                                    x.device, affine)  # fmt: skip
-    if cfg.fused:
-        fused = Bound(_fwd_fused_kernel, cfg.grid, x.device.index, ROWS=cfg.rows, CB=cfg.row_block,
-                      HWB=cfg.hw_block, STATS=grad, **flags)  # fmt: skip
-
-        def launch_fwd(x, y, w, b, mean, rstd):
-            fused(x, y, w, b, mean, rstd, rows, num_groups, HW, Cg, eps, eps_lo)
-    elif split is not None:
+    if split is not None:
         launch_fwd = _split_forward(split, x.shape, x.dtype, x.device, weight is not None, bias is not None,
                                     num_groups, eps)  # fmt: skip
     else:
-        looped = Bound(_fwd_looped_kernel, cfg.grid, x.device.index, BLOCK=cfg.hw_block, **flags)
+        kernel, meta = _fwd_kernel(cfg, flags, stats=grad)
+        bound = Bound(kernel, cfg.grid, x.device.index, **meta)
 
         def launch_fwd(x, y, w, b, mean, rstd):
-            looped(x, y, w, b, mean, rstd, num_groups, C, Cg * HW, HW, Cg, eps, eps_lo)
+            bound(*_fwd_args(cfg, x, y, w, b, mean, rstd, num_groups, eps, eps_lo))
 
     def forward(x, r, w, b):
         y = torch.empty_like(x)
@@ -462,20 +493,12 @@ def _plan_backward(x, weight, bias, G):
     """The training plan's backward (see :func:`plan_group_norm`): the one-program-per-row kernel,
     then the per-sample partials summed by one launch (``reduce.plan_sum``)."""
     N, C, HW = x.shape
-    Cg = C // G
-    cfg = config.group_norm_backward(N * G, Cg, HW, x.dtype)
     has_w, has_db = weight is not None, bias is not None
     dtypes = (weight.dtype if has_w else None, bias.dtype if has_db else None)
     parts = has_w + has_db
     in_smem = _bwd_smem_config(x, G)  # the plan's dy comes 16-byte aligned, in x's dtype
-    if in_smem is not None:
-        meta = _bwd_smem_meta(in_smem, Cg, has_w, has_db)
-        bound = Bound(_bwd_smem_kernel, in_smem.grid, x.device.index, **meta)
-        tail = (N * G, G, C, HW, Cg, Cg * HW)
-    else:
-        bound = Bound(_bwd_kernel, cfg.grid, x.device.index, CB=cfg.row_block, HWB=cfg.hw_block, HAS_W=has_w,
-                      HAS_DB=has_db, ACC=config.tl_acc_dtype(x.dtype), num_warps=cfg.num_warps)  # fmt: skip
-        tail = (G, C, HW, Cg)
+    kernel, grid, meta, tail = _bwd_launch(x.shape, G, x.dtype, has_w, has_db, in_smem)
+    bound = Bound(kernel, grid, x.device.index, **meta)
     summed = reduce.plan_sum(N, C, dtypes, x.device) if parts else None
     acc = config.acc_dtype(x.dtype)
 
@@ -512,14 +535,8 @@ def group_norm_bwd(dy, x, weight, mean, rstd, num_groups, bias_dtype):
     args = (x, dy, dx, weight if has_w else x, mean, rstd, mean if dw_part is None else dw_part,
             mean if db_part is None else db_part)  # fmt: skip
     in_smem = None if cl else _bwd_smem_config(x, num_groups, dy)
-    if in_smem is not None:
-        launch(_bwd_smem_kernel, in_smem.grid, *args, N * num_groups, num_groups, C, HW, Cg, Cg * HW,
-               **_bwd_smem_meta(in_smem, Cg, has_w, has_db))  # fmt: skip
-    else:
-        cfg = config.group_norm_backward(N * num_groups, Cg, HW, x.dtype)
-        launch(_bwd_kernel, cfg.grid, *args, num_groups, C, HW, Cg, CB=cfg.row_block, HWB=cfg.hw_block,
-               HAS_W=has_w, HAS_DB=has_db, ACC=config.tl_acc_dtype(x.dtype), num_warps=cfg.num_warps,
-               **({"CL": True} if cl else {}))  # fmt: skip
+    kernel, grid, meta, tail = _bwd_launch(x.shape, num_groups, x.dtype, has_w, has_db, in_smem, cl)
+    launch(kernel, grid, *args, *tail, **meta)
     if part_buf is None:
         return dx, None, None
     dweight, dbias = reduce.sum_partials(part_buf, grad_dtypes)

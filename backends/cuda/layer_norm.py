@@ -1448,6 +1448,71 @@ def _dropout_args(dropout_p, seed):
     return (seed, dropout_p, 1.0 / (1.0 - dropout_p)) if dropout_p > 0 else (0, 0.0, 1.0)
 
 
+# --- launches: each kernel's arguments spelled once, for the eager launchers and the plans -----------
+# A forward kernel takes the twelve ``head`` values (x, r, h, y, w, b, mean, rstd and the strides of
+# x, r, h, y; placeholders where a tensor is absent), a backward kernel its eight (x, dy, dh, dx,
+# dres, w, mean, rstd) and the dweight / dbias partials; :func:`_fwd_kernel` / :func:`_bwd_kernel`
+# give the kernel and its launch keywords for a config (once per plan), :func:`_fwd_args` /
+# :func:`_bwd_args` its positional arguments for a call.
+
+
+def _fwd_kernel(cfg, flags, N, dtype, device, is_rms, add, stats=None):
+    """(kernel, launch keywords) of the forward config ``cfg`` beyond the fused, shared-memory (in
+    parts) and split-row kernels' flags; ``stats`` False: the fused kernel writes no statistics
+    (inference plans)."""
+    if cfg.fused:
+        meta = dict(ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size)
+        if stats is not None:
+            meta["STATS"] = stats
+        one_read = config.one_read_moments(cfg, dtype, device, is_rms, add)
+        return _fwd_fused_kernel, dict(meta, ONE_READ=one_read, **flags)
+    if cfg.smem:
+        return (_fwd_smem_split_kernel if cfg.in_parts else _fwd_smem_kernel), _smem_meta(cfg, flags, N)
+    if cfg.split > 1:
+        return _fwd_split_kernel, dict(coop.split_meta(cfg), **flags)
+    return _fwd_looped_kernel, dict(BLOCK_N=cfg.block_size, **flags)
+
+
+def _fwd_args(cfg, head, M, N, eps, tail, drop, device) -> tuple:
+    """The positional arguments of :func:`_fwd_kernel`'s kernel for one call (fresh workspaces for
+    the split rows and the rows in parts)."""
+    if cfg.fused:
+        return (*head, M, N, eps, tail, *drop)
+    if cfg.smem and cfg.in_parts:
+        terms = smem.terms_workspace(cfg.grid[0] // cfg.parts, cfg.parts, cfg.ring, device)
+        return (*head[:8], *terms, *head[8:], M, N, cfg.parts, cfg.part, eps)
+    if cfg.smem:  # x, w, b, y, mean, rstd, the strides of x and y
+        return (head[0], head[4], head[5], head[3], head[6], head[7], head[8], head[11], M, N, eps)
+    if cfg.split > 1:
+        return (*head, *coop.workspace(M, 2, cfg.split, head[7].dtype, device), M, N, cfg.split, 1, eps, tail,
+                *drop)  # fmt: skip
+    return (*head, N, eps, tail, *drop)
+
+
+def _bwd_kernel(cfg, flags, has_dh, same_stride=True):
+    """(kernel, launch keywords) of the backward config ``cfg`` (fused, shared memory, split rows)
+    with h's gradient or not; ``flags`` without HAS_DH."""
+    if cfg.fused:
+        meta = dict(ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size, PREFETCH=cfg.prefetch)
+        return _bwd_fused_kernel, dict(meta, SAME_STRIDE=same_stride, HAS_DH=has_dh, **flags)
+    if cfg.smem:
+        kernel, meta = _smem_bwd_meta(cfg, flags)
+        return kernel, dict(meta, HAS_DH=has_dh)
+    return _bwd_split_kernel, dict(coop.split_meta(cfg), HAS_DH=has_dh, **flags)
+
+
+def _bwd_args(cfg, head, parts, strides, M, N, drop, device) -> tuple:
+    """The positional arguments of :func:`_bwd_kernel`'s kernel for one call: ``head`` (x, dy, dh,
+    dx, dres, w, mean, rstd), ``parts`` (the dweight, dbias partials or placeholders), the five row
+    strides (fresh workspaces for the split rows)."""
+    if cfg.fused:
+        return (*head, *parts, *strides, M, N, *drop)
+    if cfg.smem:
+        return (*head, *_smem_bwd_args(cfg, device), *parts, *strides, M, N, *_smem_bwd_tail(cfg))
+    work = coop.workspace(M, 2, cfg.split, head[7].dtype, device)
+    return (*head, *work, *parts, *strides, M, N, cfg.split, 1, *drop)
+
+
 def _forward(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtype=None, dropout_p=0.0,
              seed=0):  # fmt: skip
     """-> (y, h or None, mean, rstd); h = dropout(x) + residual is formed and normalized if add."""
@@ -1466,7 +1531,7 @@ def _forward(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtype=Non
         HAS_R=residual is not None, DROPOUT=add and dropout_p > 0,
         ACC=config.tl_acc_dtype(x.dtype), num_warps=cfg.num_warps,
     )  # fmt: skip
-    args = (
+    head = (
         x, r, hh, y, weight if weight is not None else x, bias if bias is not None else x, mean, rstd,
         x.stride(0), r.stride(0), hh.stride(0), y.stride(0),
     )  # fmt: skip
@@ -1475,24 +1540,8 @@ def _forward(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtype=Non
     # what decides the kernels' specialization, beyond the fresh outputs (launch.py's key=)
     key = (M, N, x.stride(0), r.stride(0), tensor_spec(x), tensor_spec(residual), tensor_spec(weight),
            tensor_spec(bias), h_dtype, is_rms, add, dropout_p > 0, int_spec(drop[0]))  # fmt: skip
-    if cfg.fused:
-        one_read = config.one_read_moments(cfg, x.dtype, x.device, is_rms, add)
-        launch(_fwd_fused_kernel, cfg.grid, *args, M, N, eps, tail, *drop, key=key, ROWS=cfg.rows_per_program,
-               BLOCK_N=cfg.block_size, ONE_READ=one_read, **flags)
-    elif cfg.smem and cfg.in_parts:
-        terms = smem.terms_workspace(cfg.grid[0] // cfg.parts, cfg.parts, cfg.ring, x.device)
-        launch(_fwd_smem_split_kernel, cfg.grid, *args[:8], *terms, *args[8:], M, N, cfg.parts, cfg.part, eps,
-               key=key, **_smem_meta(cfg, flags, N))  # fmt: skip
-    elif cfg.smem:
-        launch(_fwd_smem_kernel, cfg.grid, x, args[4], args[5], y, mean, rstd, x.stride(0), y.stride(0), M, N,
-               eps, key=key, **_smem_meta(cfg, flags, N))  # fmt: skip
-    elif cfg.split > 1:
-        part, count = coop.workspace(M, 2, cfg.split, rstd.dtype, x.device)
-        launch(_fwd_split_kernel, cfg.grid, *args, part, count, M, N, cfg.split, 1, eps, tail, *drop, key=key,
-               **coop.split_meta(cfg), **flags)  # fmt: skip
-    else:
-        launch(_fwd_looped_kernel, cfg.grid, *args, N, eps, tail, *drop, key=key, BLOCK_N=cfg.block_size,
-               **flags)  # fmt: skip
+    kernel, meta = _fwd_kernel(cfg, flags, N, x.dtype, x.device, is_rms, add)
+    launch(kernel, cfg.grid, *_fwd_args(cfg, head, M, N, eps, tail, drop, x.device), key=key, **meta)
     return y, h, mean, rstd
 
 
@@ -1584,31 +1633,15 @@ def plan_row_norm(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtyp
     flags = dict(IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=bias is not None, ADD=add,
                  HAS_R=residual is not None, DROPOUT=False, ACC=config.tl_acc_dtype(x.dtype),
                  num_warps=cfg.num_warps)  # fmt: skip
-    if cfg.fused:
-        one_read = config.one_read_moments(cfg, x.dtype, x.device, is_rms, add)
-        bound = Bound(_fwd_fused_kernel, cfg.grid, x.device.index, ROWS=cfg.rows_per_program,
-                      BLOCK_N=cfg.block_size, STATS=grad, ONE_READ=one_read, **flags)  # fmt: skip
-    elif cfg.smem:
-        fn = _fwd_smem_split_kernel if cfg.in_parts else _fwd_smem_kernel
-        bound = Bound(fn, cfg.grid, x.device.index, **_smem_meta(cfg, flags, N))
-    else:
-        bound = Bound(_fwd_split_kernel, cfg.grid, x.device.index, **coop.split_meta(cfg), **flags)
+    kernel, meta = _fwd_kernel(cfg, flags, N, x.dtype, x.device, is_rms, add, stats=grad)
+    bound = Bound(kernel, cfg.grid, x.device.index, **meta)
     tail = config.eps_tail(eps, x.device)
     stat = config.acc_dtype(x.dtype)
 
     def rows(x, r, h, y, w, b, mean, rstd):
         head = (x, x if r is None else r, h, y, x if w is None else w, x if b is None else b, mean, rstd,
                 N, N, N, N)  # fmt: skip
-        if cfg.fused:
-            bound(*head, M, N, eps, tail, 0, 0.0, 1.0)
-        elif cfg.smem and cfg.in_parts:
-            terms = smem.terms_workspace(cfg.grid[0] // cfg.parts, cfg.parts, cfg.ring, x.device)
-            bound(*head[:8], *terms, *head[8:], M, N, cfg.parts, cfg.part, eps)
-        elif cfg.smem:
-            bound(x, head[4], head[5], y, mean, rstd, N, N, M, N, eps)
-        else:
-            bound(*head, *coop.workspace(M, 2, cfg.split, stat, x.device), M, N, cfg.split, 1, eps, tail, 0,
-                  0.0, 1.0)  # fmt: skip
+        bound(*_fwd_args(cfg, head, M, N, eps, tail, (0, 0.0, 1.0), x.device))
 
     def forward(x, r, w, b):
         y = torch.empty_like(x)
@@ -1648,17 +1681,9 @@ def _plan_backward(M, N, dtype, device, weight, bias, is_rms, x_dtype, residual_
     direct = (cfg.fused or cfg.smem) and G == 1
     flags = dict(IS_RMS=is_rms, HAS_W=has_w, HAS_DB=has_db, HAS_DRES=has_dres, DROPOUT=False,
                  ACC=config.tl_acc_dtype(dtype), num_warps=cfg.num_warps)  # fmt: skip
-    if cfg.fused:
-        # the plan's tensors are contiguous rows of N: one stride
-        meta = dict(ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size, PREFETCH=cfg.prefetch,
-                    SAME_STRIDE=True)  # fmt: skip
-        kernel = _bwd_fused_kernel
-    elif cfg.smem:
-        (kernel, meta), flags = _smem_bwd_meta(cfg, flags), {}
-    else:
-        meta, kernel = coop.split_meta(cfg), _bwd_split_kernel
-    kernels = [Bound(kernel, cfg.grid, device.index, HAS_DH=has_dh, **meta, **flags)
-               for has_dh in (False, True)]  # fmt: skip
+    # (the plan's tensors are contiguous rows of N: one stride)
+    kernels = [Bound(kernel, cfg.grid, device.index, **meta)
+               for kernel, meta in (_bwd_kernel(cfg, flags, has_dh) for has_dh in (False, True))]  # fmt: skip
     summed = None if direct or not any(grads) else reduce.plan_sum(G, N, grads, device)
     acc = config.acc_dtype(dtype)
 
@@ -1671,14 +1696,7 @@ def _plan_backward(M, N, dtype, device, weight, bias, is_rms, x_dtype, residual_
         head = (xn, dy, dy if dh is None else dh, dx, dx if dres is None else dres, xn if w is None else w,
                 mean, rstd)  # fmt: skip
         parts = (rstd if dw is None else dw, rstd if db is None else db)
-        if cfg.fused:
-            kernels[dh is not None](*head, *parts, N, N, N, N, N, M, N, 0, 0.0, 1.0)
-        elif cfg.smem:
-            kernels[dh is not None](*head, *_smem_bwd_args(cfg, xn.device), *parts, N, N, N, N, N, M, N,
-                                    *_smem_bwd_tail(cfg))  # fmt: skip
-        else:
-            work = coop.workspace(M, 2, cfg.split, acc, xn.device)
-            kernels[dh is not None](*head, *work, *parts, N, N, N, N, N, M, N, cfg.split, 1, 0, 0.0, 1.0)
+        kernels[dh is not None](*_bwd_args(cfg, head, parts, (N,) * 5, M, N, (0, 0.0, 1.0), xn.device))
         if buf is not None:
             dw, db = summed(buf)
         return dx, dres, dw, db
@@ -1710,33 +1728,18 @@ def _backward(dy, x, weight, mean, rstd, bias_dtype, is_rms, dh=None, x_dtype=No
     w = weight if has_w else x
     dh_ = dh if dh is not None else dy
     dres_ = dres if dres is not None else dx
-    flags = dict(
-        IS_RMS=is_rms, HAS_W=has_w, HAS_DB=has_db, HAS_DH=dh is not None, HAS_DRES=dres is not None,
-        DROPOUT=dropout_p > 0, ACC=config.tl_acc_dtype(x.dtype), num_warps=cfg.num_warps,
-    )  # fmt: skip
+    flags = dict(IS_RMS=is_rms, HAS_W=has_w, HAS_DB=has_db, HAS_DRES=dres is not None, DROPOUT=dropout_p > 0,
+                 ACC=config.tl_acc_dtype(x.dtype), num_warps=cfg.num_warps)  # fmt: skip
     strides = (x.stride(0), dy.stride(0), dh_.stride(0), dx.stride(0), dres_.stride(0))
     drop = _dropout_args(dropout_p, seed)
     # what decides the kernels' specialization, beyond the fresh outputs (launch.py's key=)
     key = (M, N, strides, *map(tensor_spec, (x, dy, dh, weight, mean, rstd)), x_dtype, residual_dtype,
            bias_dtype, is_rms, dropout_p > 0, int_spec(drop[0]))  # fmt: skip
-    if cfg.fused:
-        launch(_bwd_fused_kernel, cfg.grid,
-            x, dy, dh_, dx, dres_, w, mean, rstd, dw_part, db_part, *strides, M, N, *drop, key=key,
-            ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size, PREFETCH=cfg.prefetch,
-            SAME_STRIDE=len(set(strides)) == 1, **flags,
-        )  # fmt: skip
-    elif cfg.smem:
-        kernel, meta = _smem_bwd_meta(cfg, flags)
-        launch(kernel, cfg.grid,
-            x, dy, dh_, dx, dres_, w, mean, rstd, *_smem_bwd_args(cfg, x.device), dw_part, db_part,
-            *strides, M, N, *_smem_bwd_tail(cfg), key=key, HAS_DH=dh is not None, **meta,
-        )  # fmt: skip
-    elif cfg.split > 1:
-        part, count = coop.workspace(M, 2, cfg.split, acc, x.device)
-        launch(_bwd_split_kernel, cfg.grid,
-            x, dy, dh_, dx, dres_, w, mean, rstd, part, count, dw_part, db_part, *strides, M, N, cfg.split, 1,
-            *drop, key=key, **coop.split_meta(cfg), **flags,
-        )  # fmt: skip
+    head = (x, dy, dh_, dx, dres_, w, mean, rstd)
+    if cfg.fused or cfg.smem or cfg.split > 1:
+        kernel, meta = _bwd_kernel(cfg, flags, dh is not None, len(set(strides)) == 1)
+        args = _bwd_args(cfg, head, (dw_part, db_part), strides, M, N, drop, x.device)
+        launch(kernel, cfg.grid, *args, key=key, **meta)
     else:
         c1 = torch.empty(M, dtype=acc, device=x.device)
         c2 = c1 if is_rms else torch.empty_like(c1)
@@ -1748,7 +1751,7 @@ def _backward(dy, x, weight, mean, rstd, bias_dtype, is_rms, dh=None, x_dtype=No
         )  # fmt: skip
         launch(_bwd_looped_kernel, cfg.grid,
             x, dy, dh_, dx, dres_, w, mean, rstd, c1, c2, dw_part, db_part, *strides, M, N,
-            cfg.rows_per_program, *drop, key=key, BLOCK_N=cfg.block_size, **flags,
+            cfg.rows_per_program, *drop, key=key, BLOCK_N=cfg.block_size, HAS_DH=dh is not None, **flags,
         )  # fmt: skip
     if part_buf is not None:
         dweight, dbias = reduce.sum_partials(part_buf, grad_dtypes)

@@ -532,29 +532,63 @@ def _bwd_split_kernel(
         tl.store(DX + r64 * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
 
 
+# --- launches: each kernel's arguments spelled once, for the eager launchers and the plans -----------
+
+
+def _fwd_kernel(cfg, N, log, dtype):
+    """(kernel, launch keywords) of the forward config ``cfg``."""
+    flags = dict(LOG=log, ACC=config.tl_acc_dtype(dtype), num_warps=cfg.num_warps)
+    if cfg.fused:
+        return _fwd_fused_kernel, dict(ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size, **flags)
+    if cfg.smem:
+        return (_fwd_smem_split_kernel if cfg.in_parts else _fwd_smem_kernel), _smem_meta(cfg, N, log)
+    if cfg.split > 1:
+        return _fwd_split_kernel, dict(coop.split_meta(cfg), **flags)
+    return _fwd_looped_kernel, dict(BLOCK_N=cfg.block_size, **flags)
+
+
+def _fwd_args(cfg, x, y, stride_x, stride_y, M, N) -> tuple:
+    """The positional arguments of :func:`_fwd_kernel`'s kernel for one call (fresh workspaces for
+    the split rows; the current stream's for the rows in parts)."""
+    if cfg.fused or (cfg.smem and not cfg.in_parts):
+        return (x, y, stride_x, stride_y, M, N)
+    if cfg.smem:
+        return (x, y, *_terms(cfg, x.device), stride_x, stride_y, M, N, cfg.parts, cfg.part)
+    if cfg.split > 1:
+        work = coop.workspace(M, 2, cfg.split, config.acc_dtype(x.dtype), x.device)
+        return (x, y, stride_x, stride_y, *work, M, N, cfg.split)
+    return (x, y, stride_x, stride_y, N)
+
+
+def _bwd_kernel(cfg, N, log, dtype):
+    """(kernel, launch keywords) of the backward config ``cfg``."""
+    flags = dict(LOG=log, ACC=config.tl_acc_dtype(dtype), num_warps=cfg.num_warps)
+    if cfg.fused:
+        return _bwd_fused_kernel, dict(ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size, **flags)
+    if cfg.split > 1:
+        return _bwd_split_kernel, dict(coop.split_meta(cfg), **flags)
+    return _bwd_looped_kernel, dict(BLOCK_N=cfg.block_size, REVERSE=N > cfg.block_size, **flags)
+
+
+def _bwd_args(cfg, dy, y, dx, strides, M, N) -> tuple:
+    """The positional arguments of :func:`_bwd_kernel`'s kernel for one call (``strides``: of dy, y,
+    dx; a fresh workspace for split rows)."""
+    if cfg.fused:
+        return (dy, y, dx, *strides, M, N)
+    if cfg.split > 1:
+        work = coop.workspace(M, 1, cfg.split, config.acc_dtype(y.dtype), y.device)
+        return (dy, y, dx, *strides, *work, M, N, cfg.split)
+    return (dy, y, dx, *strides, N)
+
+
 def softmax_fwd(x, log):
     """x: (M, N) rows -> softmax (log_softmax when ``log``) of each row, in x.dtype."""
     M, N = x.shape
     cfg = config.softmax(M, N, x.dtype, x.device, smem.rows_fit(x))
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    flags = dict(LOG=log, ACC=config.tl_acc_dtype(x.dtype), num_warps=cfg.num_warps)
     key = (M, N, x.stride(0), tensor_spec(x), log)  # decides the specialization (launch.py's key=)
-    if cfg.fused:
-        launch(_fwd_fused_kernel, cfg.grid, x, y, x.stride(0), y.stride(0), M, N, key=key,
-                                    ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size, **flags)  # fmt: skip
-    elif cfg.smem and cfg.in_parts:
-        launch(_fwd_smem_split_kernel, cfg.grid, x, y, *_terms(cfg, x.device), x.stride(0), y.stride(0), M, N,
-               cfg.parts, cfg.part, key=key, **_smem_meta(cfg, N, log))  # fmt: skip
-    elif cfg.smem:
-        launch(_fwd_smem_kernel, cfg.grid, x, y, x.stride(0), y.stride(0), M, N, key=key,
-               **_smem_meta(cfg, N, log))
-    elif cfg.split > 1:
-        part, count = coop.workspace(M, 2, cfg.split, config.acc_dtype(x.dtype), x.device)
-        launch(_fwd_split_kernel, cfg.grid, x, y, x.stride(0), y.stride(0), part, count, M, N, cfg.split,
-               key=key, **coop.split_meta(cfg), **flags)  # fmt: skip
-    else:
-        launch(_fwd_looped_kernel, cfg.grid, x, y, x.stride(0), y.stride(0), N, key=key,
-               BLOCK_N=cfg.block_size, **flags)
+    kernel, meta = _fwd_kernel(cfg, N, log, x.dtype)
+    launch(kernel, cfg.grid, *_fwd_args(cfg, x, y, x.stride(0), y.stride(0), M, N), key=key, **meta)
     return y
 
 
@@ -587,49 +621,23 @@ def plan_softmax(x, log, grad=False):
     cfg = config.softmax(M, N, x.dtype, x.device, smem.rows_fit(x))
     if x.device.type != "cuda" or not (cfg.fused or cfg.smem or cfg.split > 1):
         return None
-    acc, index = config.acc_dtype(x.dtype), x.device.index
-    flags = dict(LOG=log, ACC=config.tl_acc_dtype(x.dtype))
-    if cfg.fused:
-        bound = Bound(_fwd_fused_kernel, cfg.grid, index, ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size,
-                      num_warps=cfg.num_warps, **flags)  # fmt: skip
-    elif cfg.smem:
-        fn = _fwd_smem_split_kernel if cfg.in_parts else _fwd_smem_kernel
-        bound = Bound(fn, cfg.grid, index, **_smem_meta(cfg, N, log))
-    else:
-        bound = Bound(_fwd_split_kernel, cfg.grid, index, num_warps=cfg.num_warps, **coop.split_meta(cfg),
-                      **flags)  # fmt: skip
+    kernel, meta = _fwd_kernel(cfg, N, log, x.dtype)
+    bound = Bound(kernel, cfg.grid, x.device.index, **meta)
 
     def run(x):
         y = torch.empty_like(x)
-        if cfg.smem and cfg.in_parts:
-            bound(x, y, *_terms(cfg, x.device), N, N, M, N, cfg.parts, cfg.part)
-        elif cfg.fused or cfg.smem:
-            bound(x, y, N, N, M, N)
-        else:
-            bound(x, y, N, N, *coop.workspace(M, 2, cfg.split, acc, x.device), M, N, cfg.split)
+        bound(*_fwd_args(cfg, x, y, N, N, M, N))
         return y
 
     if not grad:
         return run
     bcfg = config.softmax_backward(M, N, x.dtype, x.device, log)
-    if bcfg.fused:
-        bwd = Bound(_bwd_fused_kernel, bcfg.grid, index, ROWS=bcfg.rows_per_program, BLOCK_N=bcfg.block_size,
-                    num_warps=bcfg.num_warps, **flags)  # fmt: skip
-    elif bcfg.split > 1:
-        bwd = Bound(_bwd_split_kernel, bcfg.grid, index, num_warps=bcfg.num_warps, **coop.split_meta(bcfg),
-                    **flags)  # fmt: skip
-    else:
-        bwd = Bound(_bwd_looped_kernel, bcfg.grid, index, BLOCK_N=bcfg.block_size, num_warps=bcfg.num_warps,
-                    REVERSE=N > bcfg.block_size, **flags)  # fmt: skip
+    kernel, meta = _bwd_kernel(bcfg, N, log, x.dtype)
+    bwd = Bound(kernel, bcfg.grid, x.device.index, **meta)
 
     def backward(dy, y):
         dx = torch.empty_like(y)
-        if bcfg.fused:
-            bwd(dy, y, dx, N, N, N, M, N)
-        elif bcfg.split == 1:
-            bwd(dy, y, dx, N, N, N, N)
-        else:
-            bwd(dy, y, dx, N, N, N, *coop.workspace(M, 1, bcfg.split, acc, y.device), M, N, bcfg.split)
+        bwd(*_bwd_args(bcfg, dy, y, dx, (N, N, N), M, N))
         return dx
 
     return run, backward
@@ -641,16 +649,7 @@ def softmax_bwd(dy, y, log):
     cfg = config.softmax_backward(M, N, y.dtype, y.device, log)
     dx = torch.empty((M, N), dtype=y.dtype, device=y.device)
     strides = (dy.stride(0), y.stride(0), dx.stride(0))
-    flags = dict(LOG=log, ACC=config.tl_acc_dtype(y.dtype), num_warps=cfg.num_warps)
     key = (M, N, strides, tensor_spec(dy), tensor_spec(y), log)  # decides the specialization (launch.py)
-    if cfg.fused:
-        launch(_bwd_fused_kernel, cfg.grid, dy, y, dx, *strides, M, N, key=key,
-                                    ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size, **flags)  # fmt: skip
-    elif cfg.split > 1:
-        part, count = coop.workspace(M, 1, cfg.split, config.acc_dtype(y.dtype), y.device)
-        launch(_bwd_split_kernel, cfg.grid, dy, y, dx, *strides, part, count, M, N, cfg.split, key=key,
-               **coop.split_meta(cfg), **flags)  # fmt: skip
-    else:
-        launch(_bwd_looped_kernel, cfg.grid, dy, y, dx, *strides, N, key=key, BLOCK_N=cfg.block_size,
-               REVERSE=N > cfg.block_size, **flags)  # fmt: skip
+    kernel, meta = _bwd_kernel(cfg, N, log, y.dtype)
+    launch(kernel, cfg.grid, *_bwd_args(cfg, dy, y, dx, strides, M, N), key=key, **meta)
     return dx

@@ -892,16 +892,22 @@ def _parts_forward(cfg, C, HW, L, device, eps, has_w, has_b, has_rm, has_rv):
     return forward
 
 
+def _apply_meta(shape, dtype, has_w, has_b):
+    """(grid, launch keywords) of ``_apply_kernel`` for x of (N, C, HW) ``shape``; its arguments:
+    (x, y, weight, bias, mean, rstd, N * C, C, HW)."""
+    N, C, HW = shape
+    cfg = config.batch_norm_rows(N * C, HW, dtype)
+    return cfg.grid, dict(RB=cfg.row_block, HWB=cfg.hw_block, HAS_W=has_w, HAS_B=has_b,
+                          ACC=config.tl_acc_dtype(dtype), num_warps=cfg.num_warps)  # fmt: skip
+
+
 def batch_norm_apply(x, weight, bias, mean, rstd):
     """y = (x - mean_c) * rstd_c * weight_c + bias_c, in x.dtype."""
     N, C, HW = x.shape
-    cfg = config.batch_norm_rows(N * C, HW, x.dtype)
+    grid, meta = _apply_meta(x.shape, x.dtype, weight is not None, bias is not None)
     y = torch.empty_like(x)
-    launch(_apply_kernel, cfg.grid,
-        x, y, weight if weight is not None else x, bias if bias is not None else x, mean, rstd, N * C, C,
-        HW, RB=cfg.row_block, HWB=cfg.hw_block, HAS_W=weight is not None, HAS_B=bias is not None,
-        ACC=config.tl_acc_dtype(x.dtype), num_warps=cfg.num_warps,
-    )  # fmt: skip
+    w, b = (weight if weight is not None else x), (bias if bias is not None else x)
+    launch(_apply_kernel, grid, x, y, w, b, mean, rstd, N * C, C, HW, **meta)
     return y
 
 
@@ -1041,10 +1047,9 @@ def _plan_eval(x, has_w, has_b, eps):
     """:func:`plan_batch_norm`'s eval-mode inference plan: y from the running statistics, one
     launch of the apply kernel after rstd = rsqrt(running_var + eps) (as the full path)."""
     N, C, HW = x.shape
-    cfg = config.batch_norm_rows(N * C, HW, x.dtype)
     acc = config.acc_dtype(x.dtype)
-    bound = Bound(_apply_kernel, cfg.grid, x.device.index, RB=cfg.row_block, HWB=cfg.hw_block, HAS_W=has_w,
-                  HAS_B=has_b, ACC=config.tl_acc_dtype(x.dtype), num_warps=cfg.num_warps)  # fmt: skip
+    grid, meta = _apply_meta(x.shape, x.dtype, has_w, has_b)
+    bound = Bound(_apply_kernel, grid, x.device.index, **meta)
 
     def run(x, w, b, rm, rv, momentum):
         rstd = torch.rsqrt(rv.to(acc) + eps)

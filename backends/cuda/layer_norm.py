@@ -1484,8 +1484,8 @@ def _fwd_args(cfg, head, M, N, eps, tail, drop, device) -> tuple:
     if cfg.smem:  # x, w, b, y, mean, rstd, the strides of x and y
         return (head[0], head[4], head[5], head[3], head[6], head[7], head[8], head[11], M, N, eps)
     if cfg.split > 1:
-        return (*head, *coop.workspace(M, 2, cfg.split, head[7].dtype, device), M, N, cfg.split, 1, eps, tail,
-                *drop)  # fmt: skip
+        work = coop.workspace(M, 2, cfg.split, config.acc_dtype(head[0].dtype), device)
+        return (*head, *work, M, N, cfg.split, 1, eps, tail, *drop)
     return (*head, N, eps, tail, *drop)
 
 
@@ -1509,7 +1509,7 @@ def _bwd_args(cfg, head, parts, strides, M, N, drop, device) -> tuple:
         return (*head, *parts, *strides, M, N, *drop)
     if cfg.smem:
         return (*head, *_smem_bwd_args(cfg, device), *parts, *strides, M, N, *_smem_bwd_tail(cfg))
-    work = coop.workspace(M, 2, cfg.split, head[7].dtype, device)
+    work = coop.workspace(M, 2, cfg.split, config.acc_dtype(head[0].dtype), device)
     return (*head, *work, *parts, *strides, M, N, cfg.split, 1, *drop)
 
 

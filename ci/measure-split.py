@@ -33,14 +33,15 @@ def setting(name):
     cap; up to 256 chunks a row)."""
     config.SPLIT_FWD, config.SPLIT_BWD, config.SPLIT_SOFTMAX_BWD, config.MAX_REGISTERS = DEFAULTS
     if name == "nosplit":
-        off = (1 << 20, 4, 256, 0)  # no row has at most 0 chunks
+        off = config.SplitRows(1 << 20, 4, 256, 0)  # no row has at most 0 chunks
         config.SPLIT_SOFTMAX_BWD = {key: off for key in DEFAULTS[2]}
         config.SPLIT_FWD = {key: off for key in DEFAULTS[0]}
         config.SPLIT_BWD = (off,)
     elif name.startswith("fwd"):
         chunk, rest = name[3:].split("x")
         warps, cap = rest.split("r")
-        config.SPLIT_FWD = {key: (int(chunk), int(warps), int(cap), 256) for key in DEFAULTS[0]}
+        setting = config.SplitRows(int(chunk), int(warps), int(cap), 256)
+        config.SPLIT_FWD = {key: setting for key in DEFAULTS[0]}
     config.clear_caches()
 
 
@@ -79,12 +80,13 @@ def case(op, m, n, dtype):
     return 2 * m * n * elt / fwd / 1e6, 3 * m * n * elt / bwd / 1e6
 
 
+product = itertools.product
 SWEEPS = {  # kind -> (config attribute, settings (chunk, warps, register cap, most chunks, prefetch))
-    "bwd": ("SPLIT_BWD", [(c, w, r, k, p) for (c, w, r, k), p in itertools.product(
+    "bwd": ("SPLIT_BWD", [config.SplitRows(c, w, r, k, p) for (c, w, r, k), p in itertools.product(
         ((4096, 8, 128, 32), (4096, 4, 256, 128), (2048, 4, 128, 32), (8192, 8, 256, 32)), (True, False))]),
-    "fwd": ("SPLIT_FWD", [(c, w, r, 64, p) for (c, w, r), p in itertools.product(
+    "fwd": ("SPLIT_FWD", [config.SplitRows(c, w, r, 64, p) for (c, w, r), p in itertools.product(
         ((4096, 4, 64), (4096, 4, 96), (8192, 8, 64), (8192, 8, 96)), (True, False))]),
-    "softmax-bwd": ("SPLIT_SOFTMAX_BWD", [(c, w, r, 32, p) for (c, w, r), p in itertools.product(
+    "softmax-bwd": ("SPLIT_SOFTMAX_BWD", [config.SplitRows(c, w, r, 32, p) for (c, w, r), p in product(
         ((8192, 4, 256), (8192, 8, 128), (4096, 8, 128)), (True, False))]),
 }  # fmt: skip
 
@@ -117,8 +119,8 @@ def _calls(kind, dtype, n):
 def _name(split):
     if split is None:
         return "nosplit"
-    chunk, warps, cap, most, prefetch = split
-    return f"{chunk}x{warps}r{cap}k{most}{'P' if prefetch else '-'}"
+    s = split
+    return f"{s.chunk}x{s.num_warps}r{s.max_registers}k{s.max_chunks}{'P' if s.prefetch else '-'}"
 
 
 def sweep(kind, dtypes):
@@ -139,7 +141,7 @@ def sweep(kind, dtypes):
             ref = ref[0] if isinstance(ref, tuple) else ref
             res = []
             for split in [None, *settings]:
-                value = split or (1 << 20, 4, 256, 0)  # None: no row splits (fused or looped)
+                value = split or config.SplitRows(1 << 20, 4, 256, 0)  # None: no row splits (fused or looped)
                 if keys:
                     value = {key: value for key in keys}
                 elif attr == "SPLIT_BWD":  # settings tried in order

@@ -17,6 +17,7 @@ them one at a time, and skip (with the numbers) only if the GPU lacks the memory
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import itertools
 import math
@@ -418,7 +419,7 @@ def test_split_forward_both_modes_match_reference(run_on, monkeypatch, kind, pre
     from normkit.backends.cuda import config
 
     key = (dtype.itemsize >= 4, kind)
-    monkeypatch.setitem(config.SPLIT_FWD, key, config.SPLIT_FWD[key][:4] + (prefetch,))
+    monkeypatch.setitem(config.SPLIT_FWD, key, dataclasses.replace(config.SPLIT_FWD[key], prefetch=prefetch))
     config.clear_caches()
     try:
         with _on_gpu(run_on, "cuda", dtype):  # skips without a CUDA GPU
@@ -447,7 +448,8 @@ def test_batch_norm_split_and_two_pass_match_reference(run_on, monkeypatch, mode
         monkeypatch.setattr(config, "BATCH_NORM_SPLIT_MIN_HW", 1 << 30)
     else:
         for key, setting in config.BATCH_NORM_SPLIT.items():
-            monkeypatch.setitem(config.BATCH_NORM_SPLIT, key, setting[:4] + (mode == "split-pipelined",))
+            monkeypatch.setitem(config.BATCH_NORM_SPLIT, key,
+                                dataclasses.replace(setting, prefetch=mode == "split-pipelined"))  # fmt: skip
     config.clear_caches()
     try:
         with _on_gpu(run_on, "cuda", dtype):  # skips without a CUDA GPU

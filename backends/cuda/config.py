@@ -120,32 +120,45 @@ LOOPED_PROGRAMS_PER_SM = 2
 REGISTERS_PER_SM = 65536
 MAX_WARPS_PER_SM = 64
 MAX_REGISTERS = 256
-# (chunk elements, num_warps, register cap, most chunks per row[, prefetch]). Backward: x, dy and
+
+
+@dataclass(frozen=True)
+class SplitRows:
+    """A split-row setting (:func:`split_row`): co-resident programs each hold a chunk of a row."""
+
+    chunk: int  # elements a program holds (halved for fp64)
+    num_warps: int
+    max_registers: int = MAX_REGISTERS  # register cap the kernel is compiled with: programs an SM holds
+    max_chunks: int = 32  # rows of more chunks take the next setting, or another kernel
+    prefetch: bool = False  # pipelined: the next row's chunk loaded before this row's wait
+
+
+# Backward: x, dy and
 # the dweight/dbias partials in registers; settings tried in order, the first that can split the
 # row is used; prefetch: pipelined, the next row's chunk loaded and its partials published before
 # this row's wait. LayerNorm 0.69-0.72 at N = 16384-65536 pipelined vs 0.61-0.64 not; past 32
 # chunks 0.57-0.69 at 131072-262144 vs looped 0.55-0.59 (docs/tuning-log.md T46).
-SPLIT_BWD = ((2048, 4, 128, 32, True), (4096, 4, MAX_REGISTERS, 128, True))
+SPLIT_BWD = (SplitRows(2048, 4, 128, 32, True), SplitRows(4096, 4, MAX_REGISTERS, 128, True))
 # Softmax backward, keyed by element size >= 4 bytes: y and dy in registers. 16-bit pipelined
 # 0.90-0.91 at N = 65536-262144 vs 0.82-0.86 not; fp32 not pipelined, 0.92-0.96 (the 16-bit setting
 # read 0.84-0.86 in fp32: two rows of fp32 chunks fill the 128-register cap) (docs/tuning-log.md T63).
-SPLIT_SOFTMAX_BWD = {False: (8192, 8, 128, 32, True), True: (8192, 4, MAX_REGISTERS, 32, False)}
+SPLIT_SOFTMAX_BWD = {False: SplitRows(8192, 8, 128, 32, True), True: SplitRows(8192, 4, MAX_REGISTERS, 32)}
 # Forward, keyed by (element size >= 4 bytes, op kind: "layer_norm", "rms_norm", "add_norm",
-# "softmax" (and log_softmax)); (chunk elements, num_warps, register cap, most chunks, prefetch).
+# "softmax" (and log_softmax)).
 # Re-read (prefetch False): the chunk is read again from L2 after the barrier, so a register cap lets
 # many programs share an SM (16-bit 0.67-0.84 at N = 65536-262144; T31). Prefetch: the chunk is held
 # through the barrier and the next row's chunk loaded before this row's reductions, for RMSNorm and
 # softmax (RMSNorm 0.85 vs 0.81 re-read at 65536); LayerNorm and the add-norms spill with it (0.48-0.72
 # vs 0.66-0.93) (docs/tuning-log.md T32).
 SPLIT_FWD = {
-    (False, "layer_norm"): (8192, 8, 64, 64, False),
-    (True, "layer_norm"): (4096, 4, 96, 64, False),
-    (False, "add_norm"): (8192, 8, 64, 64, False),
-    (True, "add_norm"): (4096, 4, 96, 64, False),
-    (False, "rms_norm"): (8192, 8, 80, 64, True),
-    (True, "rms_norm"): (4096, 8, 64, 64, True),
-    (False, "softmax"): (8192, 8, 64, 64, True),
-    (True, "softmax"): (4096, 8, 64, 64, True),
+    (False, "layer_norm"): SplitRows(8192, 8, 64, 64, False),
+    (True, "layer_norm"): SplitRows(4096, 4, 96, 64, False),
+    (False, "add_norm"): SplitRows(8192, 8, 64, 64, False),
+    (True, "add_norm"): SplitRows(4096, 4, 96, 64, False),
+    (False, "rms_norm"): SplitRows(8192, 8, 80, 64, True),
+    (True, "rms_norm"): SplitRows(4096, 8, 64, 64, True),
+    (False, "softmax"): SplitRows(8192, 8, 64, 64, True),
+    (True, "softmax"): SplitRows(4096, 8, 64, 64, True),
 }
 
 # Partial-sum reduction tiles, about one program per SM. A first version had one program per 1024
@@ -265,23 +278,24 @@ def _row_sweep(M: int, N: int, dtype: torch.dtype, fused_max: int) -> LaunchConf
     return LaunchConfig(LOOP_BLOCK_FWD, _warps(LOOP_BLOCK_FWD, dtype), 1, (M,), False)
 
 
-def split_row(M: int, N: int, dtype: torch.dtype, device: torch.device, chunk: int, warps: int,
-              maxnreg: int = MAX_REGISTERS, max_chunks: int = 32, prefetch: bool = False,
-              ) -> LaunchConfig | None:  # fmt: skip
-    """Split-row launch (coop.py) for ``device``, or None for rows needing more chunks than
-    programs that fit the SMs at once (or than ``max_chunks``). grid = row groups x chunks; group g
-    takes rows g, g + groups, ...; ``split`` = chunks per row, ``block_size`` = chunk, ``maxnreg``
-    the register cap the kernel is compiled with, ``spin`` the polls of ``coop.join`` (CPU tensors:
-    the interpreter runs programs one after another, so groups never fill and run solo at once)."""
-    chunk = _fused_max(chunk, dtype)
+def split_row(M: int, N: int, dtype: torch.dtype, device: torch.device,
+              setting: SplitRows) -> LaunchConfig | None:  # fmt: skip
+    """Split-row launch (coop.py) with ``setting`` for ``device``, or None for rows needing more
+    chunks than programs that fit the SMs at once (or than the setting's ``max_chunks``). grid =
+    row groups x chunks; group g takes rows g, g + groups, ...; ``split`` = chunks per row,
+    ``block_size`` = chunk, ``maxnreg`` the register cap the kernel is compiled with, ``spin`` the
+    polls of ``coop.join`` (CPU tensors: the interpreter runs programs one after another, so groups
+    never fill and run solo at once)."""
+    chunk, warps, maxnreg = _fused_max(setting.chunk, dtype), setting.num_warps, setting.max_registers
     per_sm = min(REGISTERS_PER_SM // (warps * 32 * maxnreg), MAX_WARPS_PER_SM // warps)
     programs = per_sm * sm_count(device)
     chunks = triton.cdiv(N, chunk)
-    if chunks > min(programs, max_chunks):
+    if chunks > min(programs, setting.max_chunks):
         return None
     groups = max(1, min(M, programs // chunks))
     spin = coop.SPIN if device.type == "cuda" else 0
-    return LaunchConfig(chunk, warps, 1, (groups * chunks,), False, chunks, maxnreg, prefetch, spin=spin)
+    return LaunchConfig(chunk, warps, 1, (groups * chunks,), False, chunks, maxnreg, setting.prefetch,
+                        spin=spin)  # fmt: skip
 
 
 @_memoized
@@ -296,7 +310,7 @@ def forward(M: int, N: int, dtype: torch.dtype, device: torch.device, kind: str 
     parted = smem_ok and smem_split_forward(M, N, dtype, device, kind, held)
     cfg = parted or (smem_ok and smem_row(M, N, dtype, device, kind)) or cfg
     if not (cfg.fused or cfg.smem):
-        cfg = split_row(M, N, dtype, device, *SPLIT_FWD[dtype.itemsize >= 4, kind]) or cfg
+        cfg = split_row(M, N, dtype, device, SPLIT_FWD[dtype.itemsize >= 4, kind]) or cfg
     return cfg
 
 
@@ -547,7 +561,7 @@ def softmax_backward(M: int, N: int, dtype: torch.dtype, device: torch.device,
         return LaunchConfig(block, warps, 1, (M,), False)
     cfg = _row_sweep(M, N, dtype, FUSED_MAX_N_SOFTMAX_BWD)
     if not cfg.fused:
-        cfg = split_row(M, N, dtype, device, *SPLIT_SOFTMAX_BWD[dtype.itemsize >= 4]) or cfg
+        cfg = split_row(M, N, dtype, device, SPLIT_SOFTMAX_BWD[dtype.itemsize >= 4]) or cfg
     return cfg
 
 
@@ -591,7 +605,7 @@ def backward(M: int, N: int, dtype: torch.dtype, device: torch.device, is_rms: b
         warps = max(4, min(32, triton.next_power_of_2(max(1, rows * block // per_warp))))
         return LaunchConfig(block, warps, rows, (grid,), True, prefetch=entry.prefetch)
     for setting in SPLIT_BWD:
-        split = split_row(M, N, dtype, device, *setting)
+        split = split_row(M, N, dtype, device, setting)
         if split is not None:
             return split
     programs = LOOPED_PROGRAMS_PER_SM * sm_count(device)
@@ -654,16 +668,16 @@ GROUP_NORM_SPLIT_MIN_L = {4: 8192}
 # channel each take a chunk of its N * HW values (runs of whole samples' HW columns) and meet at a
 # per-channel barrier, so the training forward reads x from HBM once (chunk re-read from L2 after
 # the barrier) instead of twice, and the backward x and dy once (held in registers). Keyed by
-# (backward, element size >= 4 bytes): (chunk elements, num_warps, register cap, most chunks,
-# pipelined: the next channel's chunk published before this channel's wait). Forward 0.58-0.67 vs
+# (backward, element size >= 4 bytes); prefetch: the next channel's chunk published before this
+# channel's wait. Forward 0.58-0.67 vs
 # the two-pass kernels' 0.49-0.62, backward fp32 0.77-0.83 vs 0.54-0.59 (docs/tuning-log.md T73).
 # Channels of fewer than BATCH_NORM_SPLIT_MIN_HW values per sample keep the two-pass kernels (not
 # measured on split channels; a chunk's runs would be that short).
 BATCH_NORM_SPLIT = {
-    (False, False): (8192, 8, 64, 512, True),
-    (False, True): (4096, 8, 64, 512, True),
-    (True, False): (4096, 4, 128, 512, True),
-    (True, True): (8192, 8, 128, 512, False),
+    (False, False): SplitRows(8192, 8, 64, 512, True),
+    (False, True): SplitRows(4096, 8, 64, 512, True),
+    (True, False): SplitRows(4096, 4, 128, 512, True),
+    (True, True): SplitRows(8192, 8, 128, 512, False),
 }
 BATCH_NORM_SPLIT_MIN_HW = 64
 
@@ -781,7 +795,7 @@ def group_norm_split_forward(rows: int, L: int, G: int, dtype: torch.dtype, devi
     docs/tuning-log.md T71)."""
     if affine and dtype.itemsize >= 4:
         return None
-    return _group_aligned(split_row(rows, L, dtype, device, *SPLIT_FWD[dtype.itemsize >= 4, "layer_norm"]), G)
+    return _group_aligned(split_row(rows, L, dtype, device, SPLIT_FWD[dtype.itemsize >= 4, "layer_norm"]), G)
 
 
 @_memoized
@@ -794,7 +808,7 @@ def group_norm_split_backward(rows: int, L: int, G: int, dtype: torch.dtype, dev
     (layer_norm.py)."""
     if L <= GROUP_NORM_SPLIT_MIN_L.get(dtype.itemsize, L):
         return None
-    return _group_aligned(next((c for c in (split_row(rows, L, dtype, device, *s) for s in SPLIT_BWD) if c),
+    return _group_aligned(next((c for c in (split_row(rows, L, dtype, device, s) for s in SPLIT_BWD) if c),
                                None), G)  # fmt: skip
 
 
@@ -846,7 +860,7 @@ def batch_norm_split(N: int, C: int, HW: int, dtype: torch.dtype, device: torch.
     L = N * HW
     if HW < BATCH_NORM_SPLIT_MIN_HW or not 0 < L < 2**31 - 2**20:
         return None
-    return split_row(C, L, dtype, device, *BATCH_NORM_SPLIT[backward, dtype.itemsize >= 4])
+    return split_row(C, L, dtype, device, BATCH_NORM_SPLIT[backward, dtype.itemsize >= 4])
 
 
 # BatchNorm's training forward with channels in parts (batch_norm._fwd_smem_split_kernel: the row

@@ -160,7 +160,7 @@ def test_parts_mask_covers_every_chunk_past_a_part():
     from normkit.backends.cuda import config, smem
 
     tables = (config.SMEM_SPLIT_FWD, config.SMEM_SPLIT_FWD_FP32)
-    settings = {setting[:2] for table in tables for kind in table for setting in table[kind][1]}
+    settings = {(s.chunk, s.buffers) for table in tables for kind in table for s in table[kind].settings}
     seen = set()
     for chunk, chunks in sorted(settings):
         for N in [*range(16, 4 * chunk * chunks + 1, 16), *(k * chunk * chunks for k in (5, 11))]:

@@ -331,12 +331,45 @@ def one_read_moments(cfg: LaunchConfig, dtype: torch.dtype, device: torch.device
             and cfg.block_size >= ONE_READ_MIN_N and dtype.itemsize == 2 and not add)  # fmt: skip
 
 
-# Rows resident in shared memory (smem.py), keyed by op kind: (chunk elements, num_warps, shortest
-# row). 16-bit rows longer than the fused limit that fit one program's shared memory (N <= 114688 on
-# the H100): RMSNorm 0.93-0.95 at N = 40000-114688 vs split rows 0.86-0.87, LayerNorm 0.89 vs
-# 0.68-0.73 at 40000-65536 (T34, T35); softmax with each thread's own running max and sum 0.925 at
-# 65536 (T37). At 32768 the fused kernels stay faster (RMSNorm 0.98 vs 0.955) (docs/tuning-log.md).
-SMEM_FWD = {"layer_norm": (16384, 16, 32769), "rms_norm": (8192, 16, 32769), "softmax": (8192, 16, 32769)}
+@dataclass(frozen=True)
+class SmemRows:
+    """A setting of rows resident in one program's shared memory (smem.py)."""
+
+    chunk: int  # elements a buffer
+    num_warps: int
+    shortest: int  # rows from this length ...
+    longest: int = 1 << 62  # ... up to this one
+
+
+@dataclass(frozen=True)
+class InParts:
+    """A setting of rows in parts: K co-resident programs each stream a part of a row through their
+    shared memory."""
+
+    chunk: int  # elements a buffer
+    buffers: int  # buffers a part: the part's width is chunk x buffers
+    num_warps: int
+    depth: int = 2  # rows of a part in flight (the backward: two)
+
+
+@dataclass(frozen=True)
+class InPartsChoice:
+    """Rows in parts for one kind of forward: from ``shortest``, the first of ``settings`` that fits."""
+
+    shortest: int
+    settings: tuple[InParts, ...]
+
+
+# Rows resident in shared memory (smem.py), keyed by op kind. 16-bit rows longer than the fused
+# limit that fit one program's shared memory (N <= 114688 on the H100): RMSNorm 0.93-0.95 at N =
+# 40000-114688 vs split rows 0.86-0.87, LayerNorm 0.89 vs 0.68-0.73 at 40000-65536 (T34, T35);
+# softmax with each thread's own running max and sum 0.925 at 65536 (T37). At 32768 the fused
+# kernels stay faster (RMSNorm 0.98 vs 0.955) (docs/tuning-log.md).
+SMEM_FWD = {
+    "layer_norm": SmemRows(16384, 16, 32769),
+    "rms_norm": SmemRows(8192, 16, 32769),
+    "softmax": SmemRows(8192, 16, 32769),
+}
 # Longer rows of these kinds take (shortest row, chunk elements) instead: CUDA 13's ptxas (which
 # torch.compile puts in TRITON_PTXAS_PATH) builds softmax's 8192-element chunk at N = 65536 with
 # spills, 0.63 vs 0.86; 16384 reads level (0.865 vs 0.872) and costs below 49152 (0.83 vs 0.91)
@@ -356,9 +389,9 @@ def smem_row(M: int, N: int, dtype: torch.dtype, device: torch.device, kind: str
     buffers fill most of it), each walking rows pid, pid + grid, ...; ``split`` = buffers a row,
     ``prefetch``: one spare buffer where it fits (the row after next starts landing while this
     row's last chunks do; smem.start)."""
-    if kind not in SMEM_FWD or N < SMEM_FWD[kind][2]:
+    if kind not in SMEM_FWD or N < SMEM_FWD[kind].shortest:
         return None
-    chunk, warps, _ = SMEM_FWD[kind]
+    chunk, warps = SMEM_FWD[kind].chunk, SMEM_FWD[kind].num_warps
     if kind in SMEM_WIDE and N >= SMEM_WIDE[kind][0]:
         chunk = SMEM_WIDE[kind][1]
     return _smem_config(M, N, dtype, device, chunk, warps, 1)
@@ -366,10 +399,10 @@ def smem_row(M: int, N: int, dtype: torch.dtype, device: torch.device, kind: str
 
 # Row-norm backward rows in shared memory (layer_norm._bwd_smem_kernel): x and dy stream through
 # one program's shared memory together, its fp32 dweight / dbias partials ([chunks, chunk] each) stay
-# in registers. (chunk elements, num_warps, shortest row, longest row). LayerNorm 16384: 0.88 vs split
+# in registers. LayerNorm 16384: 0.88 vs split
 # rows 0.73, RMSNorm 16384 0.94 vs fused 0.76 (T48); longer rows were faster in parts (RMSNorm 32768:
 # 0.92 vs 0.88 here; T56), which IN_PARTS now keeps off (docs/tuning-log.md).
-SMEM_BWD = (8192, 16, 8193, 24576)
+SMEM_BWD = SmemRows(8192, 16, 8193, 24576)
 # The add-LayerNorm backward that writes the residual's gradient too (a third output stream) takes
 # the rows-in-parts kernel (one part) past this length: 16384 0.922 vs 0.829 in the one-program
 # kernel (docs/tuning-log.md T57). Not the add-RMSNorm (0.74 vs 0.93 there).
@@ -388,21 +421,22 @@ def smem_backward(M: int, N: int, dtype: torch.dtype, device: torch.device,
     :data:`SMEM_BWD_PARTIAL_ROWS`, or :func:`_smem_config`'s conditions for x and dy. One program
     per SM; ``split`` = buffers a row (of x, and of dy), ``prefetch``: a spare buffer of each where
     it fits."""
-    chunk, warps, shortest, longest = SMEM_BWD
-    if not shortest <= N <= longest:
+    setting = SMEM_BWD
+    if not setting.shortest <= N <= setting.longest:
         return None
-    if partials * triton.next_power_of_2(triton.cdiv(N, chunk)) > SMEM_BWD_PARTIAL_ROWS:
+    if partials * triton.next_power_of_2(triton.cdiv(N, setting.chunk)) > SMEM_BWD_PARTIAL_ROWS:
         return None
-    return _smem_config(M, N, dtype, device, chunk, warps, 2)  # a buffer of x and one of dy
+    # a buffer of x and one of dy
+    return _smem_config(M, N, dtype, device, setting.chunk, setting.num_warps, 2)
 
 
 # Rows past one program's room in the backward (16-bit): K = cdiv(N, CHUNKS x CHUNK) co-resident
 # programs share a row, each streaming its part of x and dy through shared memory two rows deep,
 # holding its part of the weight there too and its part's partials in registers; they exchange the
-# row terms as tagged words (smem.publish / gather). (chunk elements, buffers a part, num_warps).
+# row terms as tagged words (smem.publish / gather).
 # LayerNorm 32768-262144 0.85-0.87 vs split rows 0.58-0.74, RMSNorm 0.93 vs 0.67-0.75
 # (docs/tuning-log.md T56).
-SMEM_SPLIT_BWD = (8192, 2, 8)
+SMEM_SPLIT_BWD = InParts(8192, 2, 8)
 # Rows (BatchNorm: channels) in parts: K programs each hold a part in shared memory and wait for
 # each other's tagged row terms (smem.collect) with no bound, so they hang where partners cannot
 # get an SM (coop.py). More than one part a row is off until they join their row group first, as
@@ -423,7 +457,7 @@ def smem_split_backward(M: int, N: int, dtype: torch.dtype, device: torch.device
     row than SMs. Grid = groups x K <= SMs (one program per SM: the programs of a row are co-resident,
     as coop.py's); ``split`` = buffers a part, ``parts`` = K (1 for rows of one part's width: the
     in-parts kernel still, ``part`` = its width)."""
-    chunk, chunks, warps = SMEM_SPLIT_BWD
+    chunk, chunks, warps = SMEM_SPLIT_BWD.chunk, SMEM_SPLIT_BWD.buffers, SMEM_SPLIT_BWD.num_warps
     K = triton.cdiv(N, chunk * chunks)
     if _parts_refused(K):
         return None
@@ -462,19 +496,20 @@ def _smem_config(M: int, N: int, dtype: torch.dtype, device: torch.device, chunk
 # Rows in parts, forward (row norms, 16-bit here and fp32 below, layer_norm._fwd_smem_split_kernel;
 # softmax, softmax._fwd_smem_split_kernel): K = cdiv(N, width) co-resident programs share a row, each
 # streaming its part (x, and the residual for the add-norms) through shared memory DEPTH rows deep and
-# holding its part of the weight and bias there, exchanging tagged row terms. Per kind: (shortest row,
-# settings (chunk elements, buffers a part, num_warps, depth) tried in order until one fits beside the
-# weight and bias). Parts as wide as their buffers (even cuts read 0.70-0.72). At 131072 / 262144 vs
-# split rows (docs/tuning-log.md T58, T59):
+# holding its part of the weight and bias there, exchanging tagged row terms. Per kind: the shortest
+# row, and settings tried in order until one fits beside the weight and bias. Parts as wide as their
+# buffers (even cuts read 0.70-0.72). At 131072 / 262144 vs split rows (docs/tuning-log.md T58, T59):
 # - layer_norm 16384 x 1: 0.894-0.904 vs 0.68-0.71; from 65537 (one program 0.79-0.81 at 98304).
 # - rms_norm 8192 x 3: 0.931 / 0.936 vs 0.84-0.88.
 # - add_norm 8192 x 2, 2 deep: 0.92-0.96 vs 0.89-0.95.
 # - softmax 8192 x 3: 0.90-0.92 vs 0.78-0.84; from the first length one program cannot hold.
 SMEM_SPLIT_FWD = {
-    "layer_norm": (65537, ((16384, 1, 8, 3), (8192, 2, 8, 3))),
-    "rms_norm": (131072, ((8192, 3, 8, 3), (16384, 1, 8, 3), (8192, 2, 8, 3))),
-    "add_norm": (65536, ((8192, 2, 8, 2), (4096, 4, 8, 2), (4096, 2, 8, 2))),
-    "softmax": (114689, ((8192, 3, 8, 3), (8192, 2, 8, 3))),
+    "layer_norm": InPartsChoice(65537, (InParts(16384, 1, 8, 3), InParts(8192, 2, 8, 3))),
+    "rms_norm": InPartsChoice(131072, (InParts(8192, 3, 8, 3), InParts(16384, 1, 8, 3),
+                                       InParts(8192, 2, 8, 3))),  # fmt: skip
+    "add_norm": InPartsChoice(65536, (InParts(8192, 2, 8, 2), InParts(4096, 4, 8, 2),
+                                      InParts(4096, 2, 8, 2))),  # fmt: skip
+    "softmax": InPartsChoice(114689, (InParts(8192, 3, 8, 3), InParts(8192, 2, 8, 3))),
 }
 # fp32 rows in parts, same key, from past the fused limit (the fp32 weight and bias held beside the
 # buffers limit the settings; LayerNorm's statistics of x - x[row, 0]). At 65536-262144 vs split
@@ -482,10 +517,10 @@ SMEM_SPLIT_FWD = {
 # 0.86-0.92, add-norms 4096 x 2 0.92-0.96 vs 0.78-0.93; at 32768 the fused kernels stay
 # (docs/tuning-log.md T60).
 SMEM_SPLIT_FWD_FP32 = {
-    "softmax": (FUSED_MAX_N_FWD + 1, ((4096, 3, 8, 3), (4096, 2, 8, 3))),
-    "layer_norm": (FUSED_MAX_N_FWD + 1, ((8192, 1, 8, 3), (4096, 2, 8, 3))),
-    "rms_norm": (FUSED_MAX_N_FWD + 1, ((8192, 1, 8, 3), (4096, 2, 8, 3))),
-    "add_norm": (FUSED_MAX_N_FWD + 1, ((4096, 2, 8, 2), (4096, 1, 8, 3))),
+    "softmax": InPartsChoice(FUSED_MAX_N_FWD + 1, (InParts(4096, 3, 8, 3), InParts(4096, 2, 8, 3))),
+    "layer_norm": InPartsChoice(FUSED_MAX_N_FWD + 1, (InParts(8192, 1, 8, 3), InParts(4096, 2, 8, 3))),
+    "rms_norm": InPartsChoice(FUSED_MAX_N_FWD + 1, (InParts(8192, 1, 8, 3), InParts(4096, 2, 8, 3))),
+    "add_norm": InPartsChoice(FUSED_MAX_N_FWD + 1, (InParts(4096, 2, 8, 2), InParts(4096, 1, 8, 3))),
 }
 # Term slots a row group (smem.row_terms; smem.MIN_RING at least), per kind of forward and for the
 # backward (keyed by whether it writes the residual's gradient): 4 for the LayerNorm / RMSNorm
@@ -505,18 +540,17 @@ def smem_split_forward(M: int, N: int, dtype: torch.dtype, device: torch.device,
     = N / K rounded up to 16 (``split`` = buffers a part, ``parts`` = K, ``part`` = P, ``depth``);
     grid = groups x K <= SMs, one program per SM."""
     table = SMEM_SPLIT_FWD_FP32 if dtype.itemsize == 4 else SMEM_SPLIT_FWD
-    if kind not in table or N < table[kind][0]:
+    if kind not in table or N < table[kind].shortest:
         return None
     streams = 2 if kind == "add_norm" else 1
     return next((cfg for cfg in (_in_parts(M, N, dtype, device, setting, streams, held, SMEM_SPLIT_RING[kind])
-                                 for setting in table[kind][1]) if cfg is not None), None)  # fmt: skip
+                                 for setting in table[kind].settings) if cfg is not None), None)  # fmt: skip
 
 
-def _in_parts(M: int, N: int, dtype: torch.dtype, device: torch.device, setting: tuple, streams: int,
+def _in_parts(M: int, N: int, dtype: torch.dtype, device: torch.device, setting: InParts, streams: int,
               held: int, ring: int) -> LaunchConfig | None:  # fmt: skip
-    """Rows in parts with ``setting`` (chunk elements, buffers a part, num_warps, depth), or None
-    where it does not fit (:func:`smem_split_forward`)."""
-    chunk, chunks, warps, depth = setting
+    """Rows in parts with ``setting``, or None where it does not fit (:func:`smem_split_forward`)."""
+    chunk, chunks, warps, depth = setting.chunk, setting.buffers, setting.num_warps, setting.depth
     width = chunk * chunks
     K = triton.cdiv(N, width)
     if _parts_refused(K):
@@ -865,17 +899,17 @@ def batch_norm_split(N: int, C: int, HW: int, dtype: torch.dtype, device: torch.
 
 # BatchNorm's training forward with channels in parts (batch_norm._fwd_smem_split_kernel: the row
 # norms' rows in parts, a channel of N * HW values for a row; HW a multiple of 16, x 16-byte
-# aligned, fewer than 2^31 elements), per element size: settings (chunk values, buffers a part,
-# num_warps, depth) tried in order; the first whose K parts a channel leave at most
-# BATCH_NORM_SMEM_IDLE of the SMs idle (groups x K of them busy) and fill BATCH_NORM_SMEM_FILL of
-# their buffers (a program's time a step is its buffers', not its values') is taken, else the first
-# that keeps the SMs busy, else the one that leaves the fewest idle; settings past the first serve
-# GPUs with less shared memory (not measured). No weight is held, so parts may be wider than the row
-# norms'. 8192 x 6, 2 deep: 0.80-0.86 on the large image shapes vs split channels 0.60-0.64 (fp32
-# 4096 x 6: 0.87-0.90); narrower parts read lower (8192 x 3: 0.77-0.82) (docs/tuning-log.md T74).
+# aligned, fewer than 2^31 elements), per element size: settings tried in order; the first whose K
+# parts a channel leave at most BATCH_NORM_SMEM_IDLE of the SMs idle (groups x K of them busy) and
+# fill BATCH_NORM_SMEM_FILL of their buffers (a program's time a step is its buffers', not its
+# values') is taken, else the first that keeps the SMs busy, else the one that leaves the fewest
+# idle; settings past the first serve GPUs with less shared memory (not measured). No weight is
+# held, so parts may be wider than the row norms'. 8192 x 6, 2 deep: 0.80-0.86 on the large image
+# shapes vs split channels 0.60-0.64 (fp32 4096 x 6: 0.87-0.90); narrower parts read lower (8192 x
+# 3: 0.77-0.82) (docs/tuning-log.md T74).
 BATCH_NORM_SMEM = {
-    2: ((8192, 6, 8, 2), (8192, 4, 8, 2), (8192, 2, 8, 3)),
-    4: ((4096, 6, 8, 2), (4096, 4, 8, 2), (4096, 2, 8, 3)),
+    2: (InParts(8192, 6, 8, 2), InParts(8192, 4, 8, 2), InParts(8192, 2, 8, 3)),
+    4: (InParts(4096, 6, 8, 2), InParts(4096, 4, 8, 2), InParts(4096, 2, 8, 3)),
 }
 BATCH_NORM_SMEM_IDLE = 0.1
 BATCH_NORM_SMEM_FILL = 0.9
@@ -887,8 +921,8 @@ BATCH_NORM_SMEM_RING = 32
 # 0.754-0.757 vs 0.732: the fill rule (docs/tuning-log.md T75). Settings past the second serve GPUs
 # with less shared memory (not measured).
 BATCH_NORM_SMEM_BWD = {
-    2: ((8192, 3, 8, 2), (4096, 5, 8, 2), (8192, 2, 8, 2), (4096, 2, 8, 3)),
-    4: ((2048, 7, 8, 2), (4096, 3, 8, 2), (4096, 2, 8, 2), (2048, 2, 8, 3)),
+    2: (InParts(8192, 3, 8, 2), InParts(4096, 5, 8, 2), InParts(8192, 2, 8, 2), InParts(4096, 2, 8, 3)),
+    4: (InParts(2048, 7, 8, 2), InParts(4096, 3, 8, 2), InParts(4096, 2, 8, 2), InParts(2048, 2, 8, 3)),
 }
 
 

@@ -107,7 +107,7 @@ def _check_group_norm_backward_rows_in_shared_memory(run_on, shape, groups, dtyp
             shape = (rows // groups + 1, *shape[1:])
         N, C, HW = shape[0], shape[1], math.prod(shape[2:])
         cfg = config.group_norm_smem_backward(N * groups, C // groups, HW, dtype, device)
-        assert cfg is not None and cfg.smem and cfg.split * cfg.block_size >= C // groups * HW, cfg
+        assert cfg is not None and cfg.smem and cfg.buffers * cfg.block_size >= C // groups * HW, cfg
         check_group_norm_case(shape, groups, dtype, device, seed=C)
         assert any(key[0] is gn._bwd_smem_kernel for key in launch._CACHE), "the kernel was not launched"
         check_group_norm_case(shape, groups, dtype, device, seed=C + 1, weight=False)

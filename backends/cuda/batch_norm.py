@@ -871,8 +871,8 @@ def _split_forward(cfg, shape, dtype, device, eps, has_w, has_b, has_rm, has_rv)
 
 def _parts_forward(cfg, C, HW, L, device, eps, has_w, has_b, has_rm, has_rv):
     """:func:`_split_forward` for channels in parts (``config.batch_norm_smem``)."""
-    width = cfg.split * cfg.block_size
-    bound = Bound(_fwd_smem_split_kernel, cfg.grid, device.index, CHUNK=cfg.block_size, CHUNKS=cfg.split,
+    width = cfg.buffers * cfg.block_size
+    bound = Bound(_fwd_smem_split_kernel, cfg.grid, device.index, CHUNK=cfg.block_size, CHUNKS=cfg.buffers,
                   SPARE=int(cfg.prefetch), DEPTH=cfg.depth, KP=triton.next_power_of_2(cfg.parts),
                   RING=cfg.ring, HAS_W=has_w, HAS_B=has_b, HAS_RM=has_rm, HAS_RV=has_rv,
                   MASK=smem.parts_mask(L, cfg.parts, cfg.part, width, cfg.block_size),
@@ -991,7 +991,7 @@ def _split_backward(cfg, shape, dtype, device, dtypes, training):
 def _parts_backward(cfg, C, HW, L, device, dtypes, training):
     """:func:`_split_backward` for channels in parts (``config.batch_norm_smem(..., True)``)."""
     has_w, has_db = dtypes[0] is not None, dtypes[1] is not None
-    bound = Bound(_bwd_smem_split_kernel, cfg.grid, device.index, CHUNK=cfg.block_size, CHUNKS=cfg.split,
+    bound = Bound(_bwd_smem_split_kernel, cfg.grid, device.index, CHUNK=cfg.block_size, CHUNKS=cfg.buffers,
                   SPARE=int(cfg.prefetch), DEPTH=cfg.depth, KP=triton.next_power_of_2(cfg.parts),
                   RING=cfg.ring, HAS_W=has_w, HAS_DB=has_db, TRAINING=training,
                   num_warps=cfg.num_warps)  # fmt: skip

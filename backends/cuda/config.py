@@ -208,7 +208,8 @@ class LaunchConfig:
     maxnreg: int = MAX_REGISTERS  # register cap per thread the kernel is compiled with (split rows)
     prefetch: bool = False  # backward: load the next row tile (fused; split: the next row's chunk,
     # and publish its partials) during this one; shared-memory rows: one spare buffer
-    smem: bool = False  # rows resident in shared memory (smem.py), split = buffers a row (or row part)
+    smem: bool = False  # rows resident in shared memory (smem.py)
+    buffers: int = 1  # shared-memory rows: CHUNK-element buffers a row (or a part) takes
     parts: int = 1  # shared-memory rows: programs sharing one row, one part each; grid = row groups x parts
     part: int = 0  # rows in parts (the in-parts kernels, even for one part): columns a part, a multiple of 16
     depth: int = 2  # rows in parts (forward): rows of buffers a part
@@ -386,7 +387,7 @@ def smem_row(M: int, N: int, dtype: torch.dtype, device: torch.device, kind: str
     """Rows resident in shared memory for ``kind`` (:data:`SMEM_FWD`), or None: a row shorter than
     the kind's shortest, or :func:`_smem_config`'s conditions (a CUDA device of compute capability
     8.0+, Gluon, 16-bit rows that fit one program's shared memory). One program per SM (the row's
-    buffers fill most of it), each walking rows pid, pid + grid, ...; ``split`` = buffers a row,
+    buffers fill most of it), each walking rows pid, pid + grid, ...; ``buffers`` = buffers a row,
     ``prefetch``: one spare buffer where it fits (the row after next starts landing while this
     row's last chunks do; smem.start)."""
     if kind not in SMEM_FWD or N < SMEM_FWD[kind].shortest:
@@ -419,7 +420,7 @@ def smem_backward(M: int, N: int, dtype: torch.dtype, device: torch.device,
     """Row-norm backward with rows in shared memory (:data:`SMEM_BWD`), or None: a row outside
     SMEM_BWD's lengths, ``partials`` (dweight, dbias: 0-2) x next_pow2(chunks) partial rows over
     :data:`SMEM_BWD_PARTIAL_ROWS`, or :func:`_smem_config`'s conditions for x and dy. One program
-    per SM; ``split`` = buffers a row (of x, and of dy), ``prefetch``: a spare buffer of each where
+    per SM; ``buffers`` = buffers a row (of x, and of dy), ``prefetch``: a spare buffer of each where
     it fits."""
     setting = SMEM_BWD
     if not setting.shortest <= N <= setting.longest:
@@ -455,7 +456,7 @@ def smem_split_backward(M: int, N: int, dtype: torch.dtype, device: torch.device
     """Row-norm backward with each row shared by K programs in shared memory (:data:`SMEM_SPLIT_BWD`),
     or None: :func:`_smem_config`'s conditions for a part's x and dy (two rows deep), or more parts a
     row than SMs. Grid = groups x K <= SMs (one program per SM: the programs of a row are co-resident,
-    as coop.py's); ``split`` = buffers a part, ``parts`` = K (1 for rows of one part's width: the
+    as coop.py's); ``buffers`` = buffers a part, ``parts`` = K (1 for rows of one part's width: the
     in-parts kernel still, ``part`` = its width)."""
     chunk, chunks, warps = SMEM_SPLIT_BWD.chunk, SMEM_SPLIT_BWD.buffers, SMEM_SPLIT_BWD.num_warps
     K = triton.cdiv(N, chunk * chunks)
@@ -466,7 +467,7 @@ def smem_split_backward(M: int, N: int, dtype: torch.dtype, device: torch.device
     if cfg is None or K > sm_count(device):
         return None
     groups = max(1, min(M, sm_count(device) // K))
-    return replace(cfg, grid=(groups * K,), split=chunks, parts=K, part=chunk * chunks,
+    return replace(cfg, grid=(groups * K,), buffers=chunks, parts=K, part=chunk * chunks,
                    ring=SMEM_SPLIT_BWD_RING[dres])  # fmt: skip
 
 
@@ -478,7 +479,7 @@ def _smem_config(M: int, N: int, dtype: torch.dtype, device: torch.device, chunk
     ``itemsizes``
     (16-bit by default), or where a row of ``streams`` tensors in CHUNK-element buffers does not fit
     one program's shared memory beside ``held`` bytes; else one program per SM (grid min(M, SMs)),
-    ``split`` = buffers a row, ``prefetch``: one spare buffer (of each stream) where it fits."""
+    ``buffers`` = buffers a row, ``prefetch``: one spare buffer (of each stream) where it fits."""
     if device.type != "cuda" or dtype.itemsize not in itemsizes or not compat.gluon_ok(device):
         return None
     if torch.cuda.get_device_capability(device) < (8, 0):
@@ -490,7 +491,7 @@ def _smem_config(M: int, N: int, dtype: torch.dtype, device: torch.device, chunk
         return None
     spare = (chunks + 1) * buffer <= room
     grid = (min(M, sm_count(device)),)
-    return LaunchConfig(chunk, warps, 1, grid, False, chunks, prefetch=spare, smem=True)
+    return LaunchConfig(chunk, warps, 1, grid, False, prefetch=spare, smem=True, buffers=chunks)
 
 
 # Rows in parts, forward (row norms, 16-bit here and fp32 below, layer_norm._fwd_smem_split_kernel;
@@ -537,7 +538,7 @@ def smem_split_forward(M: int, N: int, dtype: torch.dtype, device: torch.device,
     shorter than the kind's shortest, or no setting meeting
     :func:`_smem_config`'s conditions for DEPTH rows of a part (of x, and of the residual for
     "add_norm") beside ``held`` bytes a column (the part's weight and bias). K = cdiv(N, width), P
-    = N / K rounded up to 16 (``split`` = buffers a part, ``parts`` = K, ``part`` = P, ``depth``);
+    = N / K rounded up to 16 (``buffers`` = buffers a part, ``parts`` = K, ``part`` = P, ``depth``);
     grid = groups x K <= SMs, one program per SM."""
     table = SMEM_SPLIT_FWD_FP32 if dtype.itemsize == 4 else SMEM_SPLIT_FWD
     if kind not in table or N < table[kind].shortest:
@@ -560,7 +561,7 @@ def _in_parts(M: int, N: int, dtype: torch.dtype, device: torch.device, setting:
         return None
     P = triton.cdiv(triton.cdiv(N, K), 16) * 16
     groups = max(1, min(M, sm_count(device) // K))
-    return replace(cfg, grid=(groups * K,), split=triton.cdiv(P, chunk), parts=K, part=P, depth=depth,
+    return replace(cfg, grid=(groups * K,), buffers=triton.cdiv(P, chunk), parts=K, part=P, depth=depth,
                    ring=ring)  # fmt: skip
 
 
@@ -944,7 +945,7 @@ def batch_norm_smem(N: int, C: int, HW: int, dtype: torch.dtype, device: torch.d
         if cfg is None:
             continue
         if cfg.grid[0] >= (1 - BATCH_NORM_SMEM_IDLE) * min(sms, C * cfg.parts):
-            if cfg.part >= BATCH_NORM_SMEM_FILL * cfg.split * cfg.block_size:
+            if cfg.part >= BATCH_NORM_SMEM_FILL * cfg.buffers * cfg.block_size:
                 return cfg
             busy = busy or cfg
         if best is None or cfg.grid[0] > best.grid[0]:

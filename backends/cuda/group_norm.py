@@ -558,7 +558,7 @@ def _bwd_smem_config(x, G, dy=None):
 def _bwd_smem_meta(cfg, Cg, has_w, has_db) -> dict:
     """Launch keywords of ``_bwd_smem_kernel`` from its config."""
     cb = triton.next_power_of_2(Cg)
-    return dict(CHUNK=cfg.block_size, CHUNKS=cfg.split, SPARE=int(cfg.prefetch), CB=cb, HAS_W=has_w,
+    return dict(CHUNK=cfg.block_size, CHUNKS=cfg.buffers, SPARE=int(cfg.prefetch), CB=cb, HAS_W=has_w,
                 HAS_DB=has_db, num_warps=cfg.num_warps)  # fmt: skip
 
 

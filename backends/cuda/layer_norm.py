@@ -1548,14 +1548,14 @@ def _forward(x, weight, bias, eps, is_rms, add=False, residual=None, h_dtype=Non
 def _smem_meta(cfg, flags, N) -> dict:
     """Launch keywords of ``_fwd_smem_kernel`` (``_fwd_smem_split_kernel`` for rows in parts) from its
     config and the forward's flags, for rows of N."""
-    meta = dict(CHUNK=cfg.block_size, CHUNKS=cfg.split, SPARE=int(cfg.prefetch), IS_RMS=flags["IS_RMS"],
+    meta = dict(CHUNK=cfg.block_size, CHUNKS=cfg.buffers, SPARE=int(cfg.prefetch), IS_RMS=flags["IS_RMS"],
                 HAS_W=flags["HAS_W"], HAS_B=flags["HAS_B"], num_warps=cfg.num_warps)  # fmt: skip
     if cfg.in_parts:
-        width = cfg.split * cfg.block_size  # columns of a part's buffers
+        width = cfg.buffers * cfg.block_size  # columns of a part's buffers
         return dict(meta, KP=triton.next_power_of_2(cfg.parts), RING=cfg.ring, DEPTH=cfg.depth,
                     ADD=flags["ADD"], HAS_R=flags["HAS_R"],
                     MASK=smem.parts_mask(N, cfg.parts, cfg.part, width, cfg.block_size))  # fmt: skip
-    return dict(meta, ONE_PASS=cfg.split <= config.SMEM_ONE_PASS_MAX_CHUNKS)
+    return dict(meta, ONE_PASS=cfg.buffers <= config.SMEM_ONE_PASS_MAX_CHUNKS)
 
 
 def _smem_fwd_ok(x, residual, add, dropout_p=0.0) -> bool:
@@ -1578,7 +1578,7 @@ def _smem_bwd_meta(cfg, flags) -> dict:
     """(kernel, launch keywords) of the shared-memory backward config ``cfg`` (``_bwd_smem_kernel``,
     or ``_bwd_smem_split_kernel`` for rows in parts) and the backward's flags, HAS_DH aside."""
     keep = ("IS_RMS", "HAS_W", "HAS_DB", "HAS_DRES", "num_warps")
-    meta = dict(CHUNK=cfg.block_size, CHUNKS=cfg.split, SPARE=int(cfg.prefetch))
+    meta = dict(CHUNK=cfg.block_size, CHUNKS=cfg.buffers, SPARE=int(cfg.prefetch))
     meta.update({k: flags[k] for k in keep})
     if cfg.in_parts:
         return _bwd_smem_split_kernel, dict(meta, KP=triton.next_power_of_2(cfg.parts), RING=cfg.ring)

@@ -595,9 +595,9 @@ def softmax_fwd(x, log):
 def _smem_meta(cfg, N, log) -> dict:
     """Launch keywords of ``_fwd_smem_kernel`` (``_fwd_smem_split_kernel`` for rows in parts) from its
     config, for rows of N."""
-    meta = dict(CHUNK=cfg.block_size, CHUNKS=cfg.split, SPARE=int(cfg.prefetch), LOG=log,
+    meta = dict(CHUNK=cfg.block_size, CHUNKS=cfg.buffers, SPARE=int(cfg.prefetch), LOG=log,
                 num_warps=cfg.num_warps)  # fmt: skip
-    width = cfg.split * cfg.block_size  # columns of a row's (part's) buffers
+    width = cfg.buffers * cfg.block_size  # columns of a row's (part's) buffers
     if cfg.in_parts:
         return dict(meta, DEPTH=cfg.depth, KP=triton.next_power_of_2(cfg.parts), RING=cfg.ring,
                     MASK=smem.parts_mask(N, cfg.parts, cfg.part, width, cfg.block_size))  # fmt: skip

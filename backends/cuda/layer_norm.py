@@ -1457,9 +1457,8 @@ def _dropout_args(dropout_p, seed):
 
 
 def _fwd_kernel(cfg, flags, N, dtype, device, is_rms, add, stats=None):
-    """(kernel, launch keywords) of the forward config ``cfg`` beyond the fused, shared-memory (in
-    parts) and split-row kernels' flags; ``stats`` False: the fused kernel writes no statistics
-    (inference plans)."""
+    """(kernel, launch keywords) of the forward config ``cfg``: its strategy's keywords and the
+    forward's ``flags``; ``stats`` False: the fused kernel writes no statistics (inference plans)."""
     if cfg.fused:
         meta = dict(ROWS=cfg.rows_per_program, BLOCK_N=cfg.block_size)
         if stats is not None:

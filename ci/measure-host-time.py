@@ -11,6 +11,10 @@ as a markdown table: layer_norm, rms_norm, softmax and the add-norms at (16, 409
 perf_counter around the forward alone, and around the forward + ``backward(dy)``, the device
 synchronized before each timed call and outside the timed region (so the host never waits for a
 queue it filled). ``device`` (default cuda): ``cpu`` runs the same protocol on CPU tensors.
+
+python3 ci/measure-host-time.py profile-calls [dir]: a cProfile of 300 calls of each 16 x 4096 case
+of that table (normkit forward under no_grad, and forward + backward), top functions by own and by
+cumulative time, one file per case and direction under ``dir`` (default: .).
 """
 
 import cProfile
@@ -112,7 +116,33 @@ def calls_table(device="cuda", n=200):
         print(f"| {case} | {cells} | {row[2] / row[3]:.2f} |", flush=True)
 
 
+def profile_calls(out=".", n=300):
+    for case, nk, _ in _calls_of(torch.randn(16, 4096, device="cuda", dtype=DT, requires_grad=True)):
+        dy = torch.randn(16, 4096, device="cuda", dtype=DT)
+
+        def fwd(nk=nk):
+            with torch.no_grad():
+                nk()
+
+        for mode, fn in (("fwd", fwd), ("fwd+bwd", lambda nk=nk, dy=dy: nk().backward(dy))):
+            for _ in range(20):
+                fn()
+            torch.cuda.synchronize()
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(n):
+                fn()
+            prof.disable()
+            torch.cuda.synchronize()
+            with open(f"{out}/prof-{case.split()[0]}-{mode}.txt", "w") as f:
+                f.write(f"cProfile of {n} normkit {case} {mode} calls, bf16\n")
+                pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(30)
+                pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(60)
+
+
 def main():
+    if sys.argv[1:2] == ["profile-calls"]:
+        return profile_calls(*sys.argv[2:3])
     if sys.argv[1:2] == ["calls"]:
         device, n = (sys.argv[2:] + ["cuda", "200"][len(sys.argv[2:]):])[:2]
         return calls_table(device, int(n))

@@ -148,7 +148,10 @@ def _patches(rec: Recorder, in_parts: bool):
     yield mock.patch.dict(smem._WORKSPACES, clear=True)  # each recording starts without kept workspaces
     yield mock.patch.object(compat, "gluon_ok", lambda device: True)
     yield mock.patch.object(compat, "in_parts_ok", lambda: None)
-    yield mock.patch.object(config, "IN_PARTS", in_parts)
+    if hasattr(config, "forced"):  # (a revision before config.forced: its global, for --against)
+        yield config.forced(in_parts=in_parts)
+    else:
+        yield mock.patch.object(config, "IN_PARTS", in_parts)
     yield mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: False)
     yield mock.patch.object(torch.cuda, "current_stream", lambda device=None: mock.Mock(cuda_stream=0))
     yield mock.patch.object(torch.cuda, "current_device", lambda: 0)

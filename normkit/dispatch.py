@@ -26,7 +26,7 @@ _REGISTRY: Mapping[str, str] = {
 
 # Per-context overrides, used by the test suite and `normkit check --interpret` to run a Triton
 # backend's kernels on CPU tensors (interpreter) or the NPU kernels on a CUDA GPU.
-_OVERRIDES: contextvars.ContextVar[Mapping[str, str]] = contextvars.ContextVar(
+_OVERRIDES: contextvars.ContextVar[Mapping[str, object]] = contextvars.ContextVar(
     "normkit_backend_overrides", default=MappingProxyType({})
 )
 
@@ -51,7 +51,7 @@ def _counted() -> Iterator[None]:
 
 def registered() -> dict[str, str]:
     """Device type -> module name of the backend serving it (overrides in effect included)."""
-    return {**_REGISTRY, **_OVERRIDES.get()}
+    return {**_REGISTRY, **{k: v for k, v in _OVERRIDES.get().items() if not k.endswith(_STRATEGY)}}
 
 
 def backend_name_for(device: torch.device | str) -> str:
@@ -106,13 +106,13 @@ def served(device: torch.device) -> ModuleType | None:
     return None if _OVERRIDES.get() else _DEFAULT_MODULES.get(device.type)
 
 
-def overrides() -> Mapping[str, str]:
+def overrides() -> Mapping[str, object]:
     """The overrides in effect in this context (for :func:`restore`)."""
     return _OVERRIDES.get()
 
 
 @contextlib.contextmanager
-def restore(saved: Mapping[str, str]) -> Iterator[None]:
+def restore(saved: Mapping[str, object]) -> Iterator[None]:
     """Run the block under overrides saved by :func:`overrides` in another context. The autograd
     engine runs a CUDA backward on its own thread, where the forward's context is not set."""
     token = _OVERRIDES.set(saved)
@@ -121,6 +121,32 @@ def restore(saved: Mapping[str, str]) -> Iterator[None]:
             yield
     finally:
         _OVERRIDES.reset(token)
+
+
+# A backend's strategy override (the CUDA backend's config.Force) lives among the overrides under
+# "<backend module>:strategy": it is part of the plan signatures (functional._overrides_key) and
+# travels to the autograd engine's thread with them (restore).
+_STRATEGY = ":strategy"
+
+
+@contextlib.contextmanager
+def use_strategy(module_name: str, value) -> Iterator[None]:
+    """Hand ``value`` (hashable; the backend's own type) to the launch choices of the backend
+    ``module_name`` inside the block (this context only, whichever device it serves);
+    :func:`strategy` reads it."""
+    token = _OVERRIDES.set({**_OVERRIDES.get(), module_name + _STRATEGY: value})
+    try:
+        with _counted():
+            yield
+    finally:
+        _OVERRIDES.reset(token)
+
+
+def strategy(module_name: str):
+    """The value of the innermost :func:`use_strategy` block of backend ``module_name`` in effect here,
+    or None."""
+    overrides = _OVERRIDES.get()
+    return overrides.get(module_name + _STRATEGY) if overrides else None
 
 
 @contextlib.contextmanager

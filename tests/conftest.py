@@ -71,21 +71,17 @@ def run_on():
 
 
 @pytest.fixture
-def in_parts(monkeypatch):
-    """Rows (BatchNorm: channels) in parts chosen again where they fit (``config.IN_PARTS``, off
-    by default: their programs wait on each other with no bound), so their tests still test them;
-    skipped where the installed Triton gets them wrong (compat.in_parts_ok)."""
+def in_parts():
+    """Rows (BatchNorm: channels) in parts chosen again where they fit (``config.forced(in_parts=True)``;
+    ``config.IN_PARTS`` keeps them off: their programs wait on each other with no bound), so their
+    tests still test them; skipped where the installed Triton gets them wrong (compat.in_parts_ok)."""
     from normkit.backends.cuda import compat, config
 
     why = compat.in_parts_ok()
     if why is not None:
         pytest.skip(why)
-
-    monkeypatch.setattr(config, "IN_PARTS", True)
-    config.clear_caches()
-    yield
-    monkeypatch.undo()
-    config.clear_caches()
+    with config.forced(in_parts=True):
+        yield
 
 
 # --- records for ci/gpu_smoke.py (off unless asked) -----------------------------------------------

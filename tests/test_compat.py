@@ -150,14 +150,46 @@ def test_info_names_the_tested_triton_range(capsys):
 @pytest.mark.parametrize("version,refused", [("3.6.0", False), ("3.7.1", False), ("3.9.0", True),
                                              ("3.10.0", True)])
 def test_rows_in_parts_refused_on_triton_that_gets_them_wrong(monkeypatch, version, refused):
-    """More than one part a row only where IN_PARTS and the installed Triton is below
-    compat.IN_PARTS_WRONG_FROM; one part a row is never refused."""
+    """More than one part a row only where forced (config.IN_PARTS is off) and the installed Triton is
+    below compat.IN_PARTS_WRONG_FROM; one part a row is never refused."""
     monkeypatch.setattr(triton, "__version__", version)
     assert (compat.in_parts_ok() is not None) == refused
     if refused:
         assert version in compat.in_parts_ok()
-    monkeypatch.setattr(config, "IN_PARTS", True)
-    assert config._parts_refused(2) == refused
-    assert not config._parts_refused(1)
-    monkeypatch.setattr(config, "IN_PARTS", False)
+    with config.forced(in_parts=True):
+        assert config._parts_refused(2) == refused
+        assert not config._parts_refused(1)
     assert config._parts_refused(2) and not config._parts_refused(1)
+    with config.forced(in_parts=False):
+        assert config._parts_refused(2) and not config._parts_refused(1)
+
+
+def test_forced_strategies_hold_in_their_block_and_context_only():
+    """config.forced: the choosers follow the forced strategy inside the block (nested blocks add to
+    the enclosing one), the measured one outside it and on another thread (a fresh context); an
+    unknown strategy is an error."""
+    import threading
+
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    measured = config.forward(16, 4096, bf16, cpu)
+    split = config.batch_norm_split(2, 16, 1024, bf16, cpu, False)
+    assert measured.fused and split is not None and split.prefetch
+    with config.forced(fused_max_n_fwd=128) as force:
+        assert force == config.Force(fused_max_n_fwd=128) == config.force()
+        assert not config.forward(16, 4096, bf16, cpu).fused
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append(config.forward(16, 4096, bf16, cpu)))
+        thread.start()
+        thread.join()
+        assert seen == [measured]
+        with config.forced(batch_norm_pipelined=False) as inner:
+            assert inner == config.Force(fused_max_n_fwd=128, batch_norm_pipelined=False)
+            assert not config.batch_norm_split(2, 16, 1024, bf16, cpu, False).prefetch
+        with config.forced(batch_norm_split=False):
+            assert config.batch_norm_split(2, 16, 1024, bf16, cpu, False) is None
+    assert config.force() == config.NOT_FORCED
+    assert config.forward(16, 4096, bf16, cpu) == measured
+    assert config.batch_norm_split(2, 16, 1024, bf16, cpu, False) == split
+    with pytest.raises(TypeError, match="in_part"):
+        with config.forced(in_part=True):
+            pass

@@ -17,7 +17,6 @@ them one at a time, and skip (with the numbers) only if the GPU lacks the memory
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import itertools
 import math
@@ -411,24 +410,17 @@ SPLIT_KIND_OPS = {"layer_norm": "layer_norm", "rms_norm": "rms_norm", "add_norm"
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("prefetch", [False, True], ids=["reread", "prefetch"])
 @pytest.mark.parametrize("kind", list(SPLIT_KIND_OPS))
-def test_split_forward_both_modes_match_reference(run_on, monkeypatch, kind, prefetch, dtype):
+def test_split_forward_both_modes_match_reference(run_on, kind, prefetch, dtype):
     """Every op kind's split-row forward in both kernel modes (chunk read again from L2, or held
     through the barrier with the next row's chunk prefetched), whichever ``SPLIT_FWD`` picks: 130
     rows of 40999 (several rows per program, a masked tail chunk) and 3 rows (fewer rows than row
     groups), fwd + bwd against fp64."""
     from normkit.backends.cuda import config
 
-    key = (dtype.itemsize >= 4, kind)
-    monkeypatch.setitem(config.SPLIT_FWD, key, dataclasses.replace(config.SPLIT_FWD[key], prefetch=prefetch))
-    config.clear_caches()
-    try:
-        with _on_gpu(run_on, "cuda", dtype):  # skips without a CUDA GPU
-            assert config.forward(130, 40999, dtype, torch.device("cuda"), kind).prefetch is prefetch
-            for rows in (130, 3):
-                check_case(SPLIT_KIND_OPS[kind], (rows, 40999), dtype=dtype, device="cuda", seed=rows)
-    finally:
-        monkeypatch.undo()
-        config.clear_caches()
+    with config.forced(split_prefetch=prefetch), _on_gpu(run_on, "cuda", dtype):  # skips without a GPU
+        assert config.forward(130, 40999, dtype, torch.device("cuda"), kind).prefetch is prefetch
+        for rows in (130, 3):
+            check_case(SPLIT_KIND_OPS[kind], (rows, 40999), dtype=dtype, device="cuda", seed=rows)
 
 
 BATCH_NORM_SPLIT_SHAPES = [(37, 9, 24, 40), (3, 300, 9, 15), (64, 16, 56, 56)]
@@ -437,32 +429,25 @@ BATCH_NORM_SPLIT_SHAPES = [(37, 9, 24, 40), (3, 300, 9, 15), (64, 16, 56, 56)]
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("mode", ["split", "split-pipelined", "two-pass"])
-def test_batch_norm_split_and_two_pass_match_reference(run_on, monkeypatch, mode, dtype):
+def test_batch_norm_split_and_two_pass_match_reference(run_on, mode, dtype):
     """BatchNorm training forward and backward on split channels, with and without pipelining
     (the next channel published before this one's wait), and through the two-pass kernels: y,
     running statistics, dx, dweight, dbias against fp64. Shapes: a masked tail chunk (HW = 960),
     an odd HW (runs of 1 value) with more channels than channel groups, and 25-49 chunks a channel."""
     from normkit.backends.cuda import config
 
-    if mode == "two-pass":
-        monkeypatch.setattr(config, "BATCH_NORM_SPLIT_MIN_HW", 1 << 30)
-    else:
-        for key, setting in config.BATCH_NORM_SPLIT.items():
-            monkeypatch.setitem(config.BATCH_NORM_SPLIT, key,
-                                dataclasses.replace(setting, prefetch=mode == "split-pipelined"))  # fmt: skip
-    config.clear_caches()
-    try:
-        with _on_gpu(run_on, "cuda", dtype):  # skips without a CUDA GPU
-            for i, shape in enumerate(BATCH_NORM_SPLIT_SHAPES):
-                N, C = shape[:2]
-                for backward in (False, True):
-                    cfg = config.batch_norm_split(N, C, math.prod(shape[2:]), dtype, torch.device("cuda"),
-                                                  backward)  # fmt: skip
-                    assert (cfg is None) is (mode == "two-pass"), (shape, backward, cfg)
-                check_batch_norm_case(shape, dtype, "cuda", seed=i, mean=3.0)
-    finally:
-        monkeypatch.undo()
-        config.clear_caches()
+    force = config.forced(batch_norm_split=False) if mode == "two-pass" else \
+        config.forced(batch_norm_pipelined=mode == "split-pipelined")  # fmt: skip
+    with force, _on_gpu(run_on, "cuda", dtype):  # skips without a CUDA GPU
+        for i, shape in enumerate(BATCH_NORM_SPLIT_SHAPES):
+            N, C = shape[:2]
+            for backward in (False, True):
+                cfg = config.batch_norm_split(N, C, math.prod(shape[2:]), dtype, torch.device("cuda"),
+                                              backward)  # fmt: skip
+                assert (cfg is None) is (mode == "two-pass"), (shape, backward, cfg)
+                if cfg is not None:
+                    assert cfg.prefetch is (mode == "split-pipelined"), (shape, backward, cfg)
+            check_batch_norm_case(shape, dtype, "cuda", seed=i, mean=3.0)
 
 
 # --- leaks, caches, threads ----------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """GroupNorm / InstanceNorm kernels of every backend vs the fp64 reference and torch."""
 
+import contextlib
 import math
 
 import pytest
@@ -73,27 +74,14 @@ SMEM_BWD_CASES = [((4, 256, 56, 56), 32, True), ((2, 512, 16, 16), 16, True), ((
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape,groups,opened", SMEM_BWD_CASES, ids=str)
-def test_group_norm_backward_rows_in_shared_memory(run_on, monkeypatch, shape, groups, opened, dtype):
+def test_group_norm_backward_rows_in_shared_memory(run_on, shape, groups, opened, dtype):
     """The shared-memory backward is chosen (asserted); the gradients match fp64, also about a large
     mean and without weight or bias; two backwards are bitwise equal; the backend with dy at an
     offset that breaks 16-byte alignment takes the one-program-per-row kernel and agrees."""
-    from normkit import functional
-    from normkit.backends.cuda import config, launch
+    from normkit.backends.cuda import config
 
-    if opened:
-        monkeypatch.setattr(config, "GROUP_NORM_SMEM_MIN_ROWS", 0)
-        monkeypatch.setattr(config, "GROUP_NORM_SMEM_MIN_L", 0)
-        monkeypatch.setattr(config, "GROUP_NORM_SMEM_MAX_CG", 32)
-    config.clear_caches()
-    functional._PLANS.clear()  # plans hold the launch configs of their signature
-    launch._CACHE.clear()
-    try:
+    with config.forced(group_norm_smem_backward=True) if opened else contextlib.nullcontext():
         _check_group_norm_backward_rows_in_shared_memory(run_on, shape, groups, dtype, opened)
-    finally:
-        monkeypatch.undo()
-        config.clear_caches()
-        functional._PLANS.clear()
-        launch._CACHE.clear()
 
 
 def _check_group_norm_backward_rows_in_shared_memory(run_on, shape, groups, dtype, opened):

@@ -34,9 +34,9 @@ def test_every_call_launches_and_the_record_repeats(recorded):
     assert reached <= kernels
 
 
-def test_a_changed_heuristic_shows(recorded, monkeypatch):
-    monkeypatch.setattr(config, "FUSED_MAX_N_FWD", 128)  # rows of 256 leave the fused forward
-    changed = launch_record.record(**GRID)
+def test_a_changed_heuristic_shows(recorded):
+    with config.forced(fused_max_n_fwd=128):  # rows of 256 leave the fused forward
+        changed = launch_record.record(**GRID)
     old, new = launch_record._by_call(recorded), launch_record._by_call(changed)
     differ = {call.split()[1] for call in new if new[call] != old[call]}
     assert {"layer_norm_fwd", "rms_norm_fwd", "softmax_fwd"} <= differ

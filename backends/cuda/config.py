@@ -9,14 +9,17 @@ named.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
+from normkit import dispatch
 from normkit.backends.cuda import compat, coop, smem
 
 # A row whose next power of two is at most this many elements is held in registers by one program
@@ -173,18 +176,65 @@ REDUCE_MAX_BLOCK = 256
 INTERPRETER_SMS = 4
 
 
-# Launch configs are pure functions of (shape, dtype, device): each public chooser below is memoized
-# (bounded, thread-safe lru_cache). A 16 x 4096 LayerNorm forward + backward spent ~12% of its host
-# time choosing configs (cProfile on the H100; docs/tuning-log.md T9). Scripts that change the
-# constants above call clear_caches().
+BACKEND = "normkit.backends.cuda"  # this backend's module (dispatch), whose strategies Force overrides
+
+
+@dataclass(frozen=True)
+class Force:
+    """Launch strategies forced inside a :func:`forced` block instead of the measured choices below,
+    where the shape allows them: tests take each kernel path on shapes the thresholds would not give
+    it (no module global is assigned). None: as measured."""
+
+    in_parts: bool | None = None  # rows (BatchNorm: channels) in more than one part (IN_PARTS)
+    fused_max_n_fwd: int | None = None  # the longest row the fused forwards hold (FUSED_MAX_N_FWD)
+    split_prefetch: bool | None = None  # split-row forwards hold their chunk, prefetch the next (SPLIT_FWD)
+    batch_norm_split: bool | None = None  # False: BatchNorm's two-pass kernels, never split channels
+    batch_norm_pipelined: bool | None = None  # split channels publish the next before the wait
+    group_norm_smem_backward: bool | None = None  # True: wherever it fits (GROUP_NORM_SMEM_* lifted)
+
+
+NOT_FORCED = Force()
+
+
+def force() -> Force:
+    """The :class:`Force` in effect in this context (:func:`forced`)."""
+    return dispatch.strategy(BACKEND) or NOT_FORCED
+
+
+@contextlib.contextmanager
+def forced(**strategies) -> Iterator[Force]:
+    """Force :class:`Force`'s ``strategies`` (by field name) for the calls of this block, on top of an
+    enclosing block's; e.g. ``with config.forced(in_parts=True): normkit.softmax(x, -1)``. Per
+    context (a thread, the autograd engine's backward of a forward made inside): the memoized
+    choices, launch keys and plans are keyed by it, so nothing needs clearing."""
+    value = replace(force(), **strategies)
+    with dispatch.use_strategy(BACKEND, value):
+        yield value
+
+
+def _or(forced_value, measured):
+    return measured if forced_value is None else forced_value
+
+
+# Launch configs are pure functions of (shape, dtype, device) and the Force in effect: each public
+# chooser below is memoized (bounded, thread-safe lru_cache). A 16 x 4096 LayerNorm forward +
+# backward spent ~12% of its host time choosing configs (cProfile on the H100; docs/tuning-log.md
+# T9). Scripts that change the constants above call clear_caches().
 CACHE_SIZE = 1024
 _CACHED = []
 
 
 def _memoized(fn):
-    cached = functools.lru_cache(maxsize=CACHE_SIZE)(fn)
+    cached = functools.lru_cache(maxsize=CACHE_SIZE)(lambda forced, *args, **kwargs: fn(*args, **kwargs))
+
+    @functools.wraps(fn)
+    def chosen(*args, **kwargs):
+        return cached(dispatch.strategy(BACKEND), *args, **kwargs)
+
+    chosen.cache_info, chosen.cache_clear = cached.cache_info, cached.cache_clear
+    chosen.cache_parameters = cached.cache_parameters
     _CACHED.append(cached)
-    return cached
+    return chosen
 
 
 def clear_caches() -> None:
@@ -307,12 +357,18 @@ def forward(M: int, N: int, dtype: torch.dtype, device: torch.device, kind: str 
     ``smem.fits`` for every streamed tensor; see :func:`smem_row`) or shared by K programs in shared
     memory (:func:`smem_split_forward`; ``held``: bytes a column of the weight and bias), split rows
     or looped (one program per row, two reads of x)."""
-    cfg = _row_sweep(M, N, dtype, FUSED_MAX_N_FWD)
+    cfg = _row_sweep(M, N, dtype, _or(force().fused_max_n_fwd, FUSED_MAX_N_FWD))
     parted = smem_ok and smem_split_forward(M, N, dtype, device, kind, held)
     cfg = parted or (smem_ok and smem_row(M, N, dtype, device, kind)) or cfg
     if not (cfg.fused or cfg.smem):
-        cfg = split_row(M, N, dtype, device, SPLIT_FWD[dtype.itemsize >= 4, kind]) or cfg
+        cfg = split_row(M, N, dtype, device, _split_fwd(dtype, kind)) or cfg
     return cfg
+
+
+def _split_fwd(dtype: torch.dtype, kind: str) -> SplitRows:
+    """The ``SPLIT_FWD`` setting of ``kind`` for ``dtype`` (its prefetch as forced)."""
+    setting, prefetch = SPLIT_FWD[dtype.itemsize >= 4, kind], force().split_prefetch
+    return setting if prefetch is None else replace(setting, prefetch=prefetch)
 
 
 # LayerNorm's fused forward takes both moments of a row in one reduction (ONE_READ of
@@ -448,7 +504,7 @@ IN_PARTS = False
 def _parts_refused(K: int) -> bool:
     """More than one part a row, where IN_PARTS is off or the installed Triton gets them wrong
     (compat.in_parts_ok)."""
-    return K > 1 and (not IN_PARTS or compat.in_parts_ok() is not None)
+    return K > 1 and (not _or(force().in_parts, IN_PARTS) or compat.in_parts_ok() is not None)
 
 
 def smem_split_backward(M: int, N: int, dtype: torch.dtype, device: torch.device,
@@ -766,7 +822,7 @@ def group_norm(rows: int, Cg: int, HW: int, dtype: torch.dtype, cl: bool = False
     or channels-last over [channels, HW] tiles (two reads of the row)."""
     cb, hwb = triton.next_power_of_2(max(1, Cg)), triton.next_power_of_2(max(1, HW))
     short_runs = cl and Cg * dtype.itemsize < GROUP_NORM_CL_FUSED_MIN_RUN
-    if cb * hwb <= _fused_max(FUSED_MAX_N_FWD, dtype) and not short_runs:
+    if cb * hwb <= _fused_max(_or(force().fused_max_n_fwd, FUSED_MAX_N_FWD), dtype) and not short_runs:
         r = max(1, min(MAX_ROWS_PER_PROGRAM, TILE_ELEMENTS_FWD // (cb * hwb), triton.next_power_of_2(rows)))
         warps = min(GROUP_NORM_FWD_MAX_WARPS[torch.finfo(dtype).bits // 8], _warps(r * cb * hwb, dtype))
         return ImageConfig(hwb, cb, warps, (triton.cdiv(rows, r),), rows=r, fused=True)
@@ -804,9 +860,12 @@ def group_norm_smem_backward(rows: int, Cg: int, HW: int, dtype: torch.dtype, de
     conditions (a CUDA device with ``cp.async``, Gluon, 16-bit, the row's x and dy fit one program's
     shared memory). The caller checks the alignment of x and dy (smem.fits). The persistent grid is
     cut so that every program takes as many rows (the last row step is not left to a few SMs)."""
-    if HW % 8 or Cg > GROUP_NORM_SMEM_MAX_CG or Cg * HW < GROUP_NORM_SMEM_MIN_L:
+    opened = force().group_norm_smem_backward  # True: 32 channels, no minimum rows or row length
+    max_cg, min_l, min_rows = (32, 0, 0) if opened else (GROUP_NORM_SMEM_MAX_CG, GROUP_NORM_SMEM_MIN_L,
+                                                         GROUP_NORM_SMEM_MIN_ROWS)  # fmt: skip
+    if HW % 8 or Cg > max_cg or Cg * HW < min_l or opened is False:
         return None
-    if device.type != "cuda" or rows < GROUP_NORM_SMEM_MIN_ROWS * sm_count(device):
+    if device.type != "cuda" or rows < min_rows * sm_count(device):
         return None
     chunk, warps = GROUP_NORM_SMEM_BWD
     scratch = chunk // 8 * triton.next_power_of_2(Cg) * 4  # the [runs, channels] sums' reduction
@@ -830,7 +889,7 @@ def group_norm_split_forward(rows: int, L: int, G: int, dtype: torch.dtype, devi
     docs/tuning-log.md T71)."""
     if affine and dtype.itemsize >= 4:
         return None
-    return _group_aligned(split_row(rows, L, dtype, device, SPLIT_FWD[dtype.itemsize >= 4, "layer_norm"]), G)
+    return _group_aligned(split_row(rows, L, dtype, device, _split_fwd(dtype, "layer_norm")), G)
 
 
 @_memoized
@@ -892,10 +951,12 @@ def batch_norm_split(N: int, C: int, HW: int, dtype: torch.dtype, device: torch.
     or None where the two-pass kernels serve: HW < BATCH_NORM_SPLIT_MIN_HW, channels of 2^31 values
     or more, or more chunks per channel than programs that fit at once (CPU tensors: the
     interpreter's programs run solo, coop.join)."""
-    L = N * HW
-    if HW < BATCH_NORM_SPLIT_MIN_HW or not 0 < L < 2**31 - 2**20:
+    L, forced_now = N * HW, force()
+    if HW < BATCH_NORM_SPLIT_MIN_HW or not 0 < L < 2**31 - 2**20 or forced_now.batch_norm_split is False:
         return None
-    return split_row(C, L, dtype, device, BATCH_NORM_SPLIT[backward, dtype.itemsize >= 4])
+    setting = BATCH_NORM_SPLIT[backward, dtype.itemsize >= 4]
+    setting = replace(setting, prefetch=_or(forced_now.batch_norm_pipelined, setting.prefetch))
+    return split_row(C, L, dtype, device, setting)
 
 
 # BatchNorm's training forward with channels in parts (batch_norm._fwd_smem_split_kernel: the row

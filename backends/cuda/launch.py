@@ -35,7 +35,8 @@ import torch
 import triton
 from triton.runtime.jit import JITFunction
 
-from normkit.backends.cuda import compat
+from normkit import dispatch
+from normkit.backends.cuda import compat, config
 
 _I32 = range(-(2**31), 2**31)
 _CACHE: dict = {}  # key -> (compiled kernel, resolved trailing kernel arguments, the full key)
@@ -117,8 +118,8 @@ def launch(fn, grid: tuple, *args, key: tuple | None = None, **meta):
     full = None
     if key is None:
         key = full = (fn, device, _spec(args), tuple(meta.items()))
-    else:
-        key = (fn, device, key)
+    else:  # a call-site key assumes the launch choices: with those forced (config.forced), also by the Force
+        key = (fn, device, key, dispatch.strategy(config.BACKEND))
     cached = _CACHE.get(key)
     if RECORD is not None:
         _record(fn, args, meta, "compile" if cached is None else "direct")

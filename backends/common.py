@@ -156,6 +156,171 @@ def residual_grad(dh, dh_ptrs, dres_ptrs, mask, key, cols, p, scale,
     return dh
 
 
+# --- Row norms in column tiles: the looped kernels' bodies, shared by the CUDA and NPU kernels -------
+# Each backend's kernel picks the rows (CUDA: one program a row / a grid of (row chunk, column tile);
+# NPU: persistent programs over the same items) and hands in what it computes its own way: 1 / N
+# (CUDA: correctly rounded in the kernel, common.reciprocal; NPU: from the host) and eps in ACC.
+
+
+@triton.jit
+def row_norm_fwd_tiles(X, R, H, Y, W, B, Mean, Rstd, row, stride_x, stride_r, stride_h, stride_y, N, inv_n,
+                       eps, seed, p, scale, BLOCK: tl.constexpr, IS_RMS: tl.constexpr, HAS_W: tl.constexpr,
+                       HAS_B: tl.constexpr, ADD: tl.constexpr, HAS_R: tl.constexpr, DROPOUT: tl.constexpr,
+                       ACC: tl.constexpr):  # fmt: skip
+    """LayerNorm / RMSNorm forward of row ``row`` in column tiles of BLOCK, x read twice; with ADD of
+    h = dropout(x) + residual (stored to H in sweep 1, recomputed bitwise the same in sweep 2).
+    Writes Rstd[row] and (LayerNorm) Mean[row]."""
+    row64 = tl.cast(row, tl.int64)
+    x_row = X + row64 * stride_x
+    r_row = R + row64 * stride_r
+    cols = tl.arange(0, BLOCK)
+    key = row_key(seed, row)  # dropout: the row's hash key
+    # Sweep 1: statistics. LayerNorm merges per-tile (mean, M2) pairs of x - shift with Chan's
+    # formula (exact differences; accurate for large means); RMSNorm sums squares.
+    if IS_RMS:
+        shift = 0.0
+    else:
+        shift = tl.load(x_row).to(ACC)
+        if ADD and HAS_R:
+            shift += tl.load(r_row).to(ACC)
+    mean = tl.zeros((), ACC)
+    m2 = tl.zeros((), ACC)
+    for start in range(0, N, BLOCK):
+        offs = start + cols
+        mask = offs < N
+        x = tl.load(x_row + offs, mask=mask, other=0.0).to(ACC)
+        if ADD:
+            h = residual_in(x, r_row + offs, mask, key, offs, p, scale, HAS_R, DROPOUT).to(H.dtype.element_ty)
+            tl.store(H + row64 * stride_h + offs, h, mask=mask)
+            x = h.to(ACC)
+        if IS_RMS:
+            m2 += tl.sum(x * x, axis=0)
+        else:
+            count = tl.cast(tl.minimum(N - start, BLOCK), ACC)
+            xs = tl.where(mask, x - shift, 0.0)
+            mean, m2 = chan_merge(mean, m2, xs, mask, tl.cast(start, ACC), count)
+    rstd = 1.0 / tl.sqrt(m2 * inv_n + eps)
+    tl.store(Rstd + row, rstd)
+    if not IS_RMS:
+        tl.store(Mean + row, shift + mean)
+    # Sweep 2: normalize.
+    for start in range(0, N, BLOCK):
+        offs = start + cols
+        mask = offs < N
+        x = tl.load(x_row + offs, mask=mask, other=0.0).to(ACC)
+        if ADD:
+            x = residual_in(x, r_row + offs, mask, key, offs, p, scale, HAS_R,
+                            DROPOUT).to(H.dtype.element_ty).to(ACC)  # fmt: skip
+        y = normalize(x - shift, mean, rstd, mask, IS_RMS)
+        if HAS_W:
+            y = y * tl.load(W + offs, mask=mask, other=0.0).to(ACC)
+        if HAS_B:
+            y = y + tl.load(B + offs, mask=mask, other=0.0).to(ACC)
+        tl.store(Y + row64 * stride_y + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def row_norm_bwd_terms(X, DY, W, Mean, Rstd, C1, C2, row, stride_x, stride_dy, N, inv_n, BLOCK: tl.constexpr,
+                       IS_RMS: tl.constexpr, HAS_W: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
+    """The backward's row terms of row ``row`` in column tiles of BLOCK: C1[row] = mean of
+    xhat * w * dy, C2[row] = mean of w * dy (LayerNorm only)."""
+    x_row = X + tl.cast(row, tl.int64) * stride_x
+    dy_row = DY + tl.cast(row, tl.int64) * stride_dy
+    rstd = tl.load(Rstd + row)
+    if IS_RMS:
+        mean = 0.0
+    else:
+        mean = tl.load(Mean + row)
+    cols = tl.arange(0, BLOCK)
+    c1 = tl.zeros((), ACC)
+    c2 = tl.zeros((), ACC)
+    for start in range(0, N, BLOCK):
+        offs = start + cols
+        mask = offs < N
+        x = tl.load(x_row + offs, mask=mask, other=0.0).to(ACC)
+        wdy = tl.load(dy_row + offs, mask=mask, other=0.0).to(ACC)
+        if HAS_W:
+            wdy = wdy * tl.load(W + offs, mask=mask, other=0.0).to(ACC)
+        c1 += tl.sum(normalize(x, mean, rstd, mask, IS_RMS) * wdy, axis=0)
+        c2 += tl.sum(wdy, axis=0)
+    tl.store(C1 + row, c1 * inv_n)
+    if not IS_RMS:
+        tl.store(C2 + row, c2 * inv_n)
+
+
+@triton.jit
+def row_norm_bwd_tile(X, DY, DH, DX, DRES, W, Mean, Rstd, C1, C2, DW_part, DB_part, chunk, cols, stride_x,
+                      stride_dy, stride_dh, stride_dx, stride_dres, M, N, rows_per_chunk, seed, p, scale,
+                      BLOCK: tl.constexpr, IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_DB: tl.constexpr,
+                      HAS_DH: tl.constexpr, HAS_DRES: tl.constexpr, DROPOUT: tl.constexpr,
+                      ACC: tl.constexpr):  # fmt: skip
+    """dx (and the add-norm's dresidual) of the rows of chunk ``chunk`` (rows_per_chunk rows) at
+    columns ``cols`` (BLOCK of them), from the row terms C1, C2 (:func:`row_norm_bwd_terms`); row
+    ``chunk`` of DW_part / DB_part = the chunk's column sums of dy * xhat / dy there."""
+    mask = cols < N
+    if HAS_W:
+        w = tl.load(W + cols, mask=mask, other=0.0).to(ACC)
+    dw = tl.zeros([BLOCK], ACC)
+    db = tl.zeros([BLOCK], ACC)
+    row_start = chunk * rows_per_chunk
+    for row in range(row_start, tl.minimum(row_start + rows_per_chunk, M)):
+        r64 = tl.cast(row, tl.int64)
+        x = tl.load(X + r64 * stride_x + cols, mask=mask, other=0.0).to(ACC)
+        dy = tl.load(DY + r64 * stride_dy + cols, mask=mask, other=0.0).to(ACC)
+        rstd = tl.load(Rstd + row)
+        if IS_RMS:
+            mean = 0.0
+        else:
+            mean = tl.load(Mean + row)
+        xhat = normalize(x, mean, rstd, mask, IS_RMS)
+        if HAS_W:
+            wdy = dy * w
+        else:
+            wdy = dy
+        if IS_RMS:
+            dx = (wdy - xhat * tl.load(C1 + row)) * rstd
+        else:
+            dx = (wdy - (xhat * tl.load(C1 + row) + tl.load(C2 + row))) * rstd
+        dx = residual_grad(dx, DH + r64 * stride_dh + cols, DRES + r64 * stride_dres + cols, mask,
+                           row_key(seed, row), cols, p, scale, HAS_DH, HAS_DRES, DROPOUT)  # fmt: skip
+        tl.store(DX + r64 * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
+        if HAS_W:
+            dw += dy * xhat
+        if HAS_DB:
+            db += dy
+    part = tl.cast(chunk, tl.int64) * N + cols
+    if HAS_W:
+        tl.store(DW_part + part, dw, mask=mask)
+    if HAS_DB:
+        tl.store(DB_part + part, db, mask=mask)
+
+
+@triton.jit
+def softmax_fwd_tiles(X, Y, row, stride_x, stride_y, N, BLOCK: tl.constexpr, LOG: tl.constexpr,
+                      ACC: tl.constexpr):  # fmt: skip
+    """softmax (log_softmax where LOG) of row ``row`` in column tiles of BLOCK: the row's max and sum
+    of exp(x - max) online in one sweep, the outputs in a second (the looped forwards of both
+    backends; their backwards differ: CUDA's orders its tiles for L2 and sets eviction hints)."""
+    x_row = X + tl.cast(row, tl.int64) * stride_x
+    y_row = Y + tl.cast(row, tl.int64) * stride_y
+    cols = tl.arange(0, BLOCK)
+    m = tl.full((), float("-inf"), ACC)
+    s = tl.zeros((), ACC)
+    for start in range(0, N, BLOCK):
+        offs = start + cols
+        x = tl.load(x_row + offs, mask=offs < N, other=float("-inf")).to(ACC)
+        m, s = online_max_sum(m, s, x)
+    for start in range(0, N, BLOCK):
+        offs = start + cols
+        mask = offs < N
+        x = tl.load(x_row + offs, mask=mask, other=float("-inf")).to(ACC)
+        if LOG:
+            y = (x - m) - tl.log(s)
+        else:
+            y = tl.exp(x - m) / s
+        tl.store(y_row + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
 # --- GroupNorm: one (sample, group) row of L = (C / G) * HW elements -------------------------------
 # A row is contiguous in an (N, C, HW) input; in a channels-last one (memory (N, HW, C): NHWC,
 # NDHWC) it is HW runs of Cg contiguous channels, C apart. ``CL`` picks the layout; in it the row's

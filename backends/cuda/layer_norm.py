@@ -39,7 +39,6 @@ import triton.language as tl
 
 from normkit.backends.common import (
     as_col,
-    chan_merge,
     exact_eps,
     normalize,
     reciprocal,
@@ -47,6 +46,9 @@ from normkit.backends.common import (
     residual_grad,
     residual_in,
     row_key,
+    row_norm_bwd_terms,
+    row_norm_bwd_tile,
+    row_norm_fwd_tiles,
 )
 from normkit.backends.cuda import config, coop, reduce, smem
 from normkit.backends.cuda.launch import Bound, int_spec, launch, tensor_spec
@@ -200,52 +202,10 @@ def _fwd_looped_kernel(
     DROPOUT: tl.constexpr,
     ACC: tl.constexpr,
 ):
-    row = tl.cast(tl.program_id(0), tl.int64)
-    cols = tl.arange(0, BLOCK_N)
-    key = row_key(seed, row)  # dropout: the row's hash key
-    # Sweep 1: statistics. LayerNorm merges per-tile (mean, M2) pairs of x - shift with Chan's
-    # formula (exact differences; accurate for large means); RMSNorm sums squares.
-    if IS_RMS:
-        shift = 0.0
-    else:
-        shift = tl.load(X + row * stride_x).to(ACC)
-        if ADD and HAS_R:
-            shift += tl.load(R + row * stride_r).to(ACC)
-    mean = tl.zeros((), ACC)
-    m2 = tl.zeros((), ACC)
-    for start in range(0, N, BLOCK_N):
-        offs = start + cols
-        mask = offs < N
-        x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(ACC)
-        if ADD:
-            h = residual_in(x, R + row * stride_r + offs, mask, key, offs, p, scale,
-                            HAS_R, DROPOUT).to(H.dtype.element_ty)  # fmt: skip
-            tl.store(H + row * stride_h + offs, h, mask=mask)
-            x = h.to(ACC)
-        if IS_RMS:
-            m2 += tl.sum(x * x, axis=0)
-        else:
-            count = tl.cast(tl.minimum(N - start, BLOCK_N), ACC)
-            xs = tl.where(mask, x - shift, 0.0)
-            mean, m2 = chan_merge(mean, m2, xs, mask, tl.cast(start, ACC), count)
-    rstd = 1.0 / tl.sqrt(m2 * reciprocal(N, ACC) + exact_eps(eps, eps_lo, ACC))
-    tl.store(Rstd + row, rstd)
-    if not IS_RMS:
-        tl.store(Mean + row, shift + mean)
-    # Sweep 2: normalize. h is recomputed (bitwise the same) rather than read back from H.
-    for start in range(0, N, BLOCK_N):
-        offs = start + cols
-        mask = offs < N
-        x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(ACC)
-        if ADD:
-            x = residual_in(x, R + row * stride_r + offs, mask, key, offs, p, scale,
-                            HAS_R, DROPOUT).to(H.dtype.element_ty).to(ACC)  # fmt: skip
-        y = normalize(x - shift, mean, rstd, mask, IS_RMS)
-        if HAS_W:
-            y = y * tl.load(W + offs, mask=mask, other=0.0).to(ACC)
-        if HAS_B:
-            y = y + tl.load(B + offs, mask=mask, other=0.0).to(ACC)
-        tl.store(Y + row * stride_y + offs, y.to(Y.dtype.element_ty), mask=mask)
+    # one program a row (common.row_norm_fwd_tiles: the NPU forward's row body too)
+    row_norm_fwd_tiles(X, R, H, Y, W, B, Mean, Rstd, tl.program_id(0), stride_x, stride_r, stride_h, stride_y,
+                       N, reciprocal(N, ACC), exact_eps(eps, eps_lo, ACC), seed, p, scale, BLOCK_N, IS_RMS,
+                       HAS_W, HAS_B, ADD, HAS_R, DROPOUT, ACC)  # fmt: skip
 
 
 @triton.jit
@@ -900,30 +860,8 @@ def _bwd_row_terms_kernel(
     HAS_W: tl.constexpr,
     ACC: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    x_row = X + tl.cast(row, tl.int64) * stride_x
-    dy_row = DY + tl.cast(row, tl.int64) * stride_dy
-    rstd = tl.load(Rstd + row)
-    if IS_RMS:
-        mean = 0.0
-    else:
-        mean = tl.load(Mean + row)
-    cols = tl.arange(0, BLOCK_N)
-    c1 = tl.zeros((), ACC)
-    c2 = tl.zeros((), ACC)
-    for start in range(0, N, BLOCK_N):
-        offs = start + cols
-        mask = offs < N
-        x = tl.load(x_row + offs, mask=mask, other=0.0).to(ACC)
-        wdy = tl.load(dy_row + offs, mask=mask, other=0.0).to(ACC)
-        if HAS_W:
-            wdy = wdy * tl.load(W + offs, mask=mask, other=0.0).to(ACC)
-        c1 += tl.sum(normalize(x, mean, rstd, mask, IS_RMS) * wdy, axis=0)
-        c2 += tl.sum(wdy, axis=0)
-    inv_n = reciprocal(N, ACC)
-    tl.store(C1 + row, c1 * inv_n)
-    if not IS_RMS:
-        tl.store(C2 + row, c2 * inv_n)
+    row_norm_bwd_terms(X, DY, W, Mean, Rstd, C1, C2, tl.program_id(0), stride_x, stride_dy, N,
+                       reciprocal(N, ACC), BLOCK_N, IS_RMS, HAS_W, ACC)  # fmt: skip
 
 
 @triton.jit
@@ -960,44 +898,10 @@ def _bwd_looped_kernel(
     DROPOUT: tl.constexpr,
     ACC: tl.constexpr,
 ):
-    chunk = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = cols < N
-    if HAS_W:
-        w = tl.load(W + cols, mask=mask, other=0.0).to(ACC)
-    dw = tl.zeros([BLOCK_N], ACC)
-    db = tl.zeros([BLOCK_N], ACC)
-    row_start = chunk * rows_per_chunk
-    for row in range(row_start, tl.minimum(row_start + rows_per_chunk, M)):
-        r64 = tl.cast(row, tl.int64)
-        x = tl.load(X + r64 * stride_x + cols, mask=mask, other=0.0).to(ACC)
-        dy = tl.load(DY + r64 * stride_dy + cols, mask=mask, other=0.0).to(ACC)
-        rstd = tl.load(Rstd + row)
-        if IS_RMS:
-            mean = 0.0
-        else:
-            mean = tl.load(Mean + row)
-        xhat = normalize(x, mean, rstd, mask, IS_RMS)
-        if HAS_W:
-            wdy = dy * w
-        else:
-            wdy = dy
-        if IS_RMS:
-            dx = (wdy - xhat * tl.load(C1 + row)) * rstd
-        else:
-            dx = (wdy - (xhat * tl.load(C1 + row) + tl.load(C2 + row))) * rstd
-        dx = residual_grad(dx, DH + r64 * stride_dh + cols, DRES + r64 * stride_dres + cols, mask,
-                           row_key(seed, row), cols, p, scale, HAS_DH, HAS_DRES, DROPOUT)  # fmt: skip
-        tl.store(DX + r64 * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
-        if HAS_W:
-            dw += dy * xhat
-        if HAS_DB:
-            db += dy
-    part = tl.cast(chunk, tl.int64) * N + cols
-    if HAS_W:
-        tl.store(DW_part + part, dw, mask=mask)
-    if HAS_DB:
-        tl.store(DB_part + part, db, mask=mask)
+    row_norm_bwd_tile(X, DY, DH, DX, DRES, W, Mean, Rstd, C1, C2, DW_part, DB_part, tl.program_id(0), cols,
+                      stride_x, stride_dy, stride_dh, stride_dx, stride_dres, M, N, rows_per_chunk, seed, p,
+                      scale, BLOCK_N, IS_RMS, HAS_W, HAS_DB, HAS_DH, HAS_DRES, DROPOUT, ACC)  # fmt: skip
 
 
 @triton.jit

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from normkit.backends.common import as_col, online_max_sum
+from normkit.backends.common import as_col, online_max_sum, softmax_fwd_tiles
 from normkit.backends.cuda import config, coop, smem
 from normkit.backends.cuda.launch import Bound, launch, tensor_spec
 from normkit.backends.cuda.coop import arrive, join, load_chunk, wait
@@ -71,25 +71,7 @@ def _fwd_looped_kernel(
     LOG: tl.constexpr,
     ACC: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    x_row = X + tl.cast(row, tl.int64) * stride_x
-    y_row = Y + tl.cast(row, tl.int64) * stride_y
-    cols = tl.arange(0, BLOCK_N)
-    m = tl.full((), float("-inf"), ACC)
-    s = tl.zeros((), ACC)
-    for start in range(0, N, BLOCK_N):
-        offs = start + cols
-        x = tl.load(x_row + offs, mask=offs < N, other=float("-inf")).to(ACC)
-        m, s = online_max_sum(m, s, x)
-    for start in range(0, N, BLOCK_N):
-        offs = start + cols
-        mask = offs < N
-        x = tl.load(x_row + offs, mask=mask, other=float("-inf")).to(ACC)
-        if LOG:
-            y = (x - m) - tl.log(s)
-        else:
-            y = tl.exp(x - m) / s
-        tl.store(y_row + offs, y.to(Y.dtype.element_ty), mask=mask)
+    softmax_fwd_tiles(X, Y, tl.program_id(0), stride_x, stride_y, N, BLOCK_N, LOG, ACC)  # NPU's row body too
 
 
 @triton.jit

@@ -30,7 +30,15 @@ import torch
 import triton
 import triton.language as tl
 
-from normkit.backends.common import chan_merge, normalize, residual_grad, residual_in, row_key
+from normkit.backends.common import (
+    normalize,
+    residual_grad,
+    residual_in,
+    row_key,
+    row_norm_bwd_terms,
+    row_norm_bwd_tile,
+    row_norm_fwd_tiles,
+)
 from normkit.backends.npu import config
 from normkit.backends.npu.reduce import param_sums
 from normkit.backends.row_norm_contract import row_norm_contract
@@ -139,55 +147,10 @@ def _fwd_kernel(
 ):
     # UB (planned by bishengir-compile, ci/npu_stage2.py, 2026-11-26): up to 96.8 KB without dropout
     # (add-norm, weight and bias), 172.9 KB with dropout (the hash drawn in both sweeps).
-    cols = tl.arange(0, BLOCK_SIZE)
-    for row in range(tl.program_id(0), M, tl.num_programs(0)):
-        row64 = tl.cast(row, tl.int64)
-        x_row = X + row64 * stride_x
-        y_row = Y + row64 * stride_y
-        key = row_key(seed, row)  # dropout: this row's key (*)
-        # Statistics of x - shift, shift = x[row, 0] (+ residual[row, 0]): exact differences,
-        # accurate for large means; merged tile by tile with Chan's formula. RMSNorm sums squares.
-        if IS_RMS:
-            shift = 0.0
-        else:
-            shift = tl.load(x_row).to(tl.float32)
-            if ADD and HAS_R:
-                shift += tl.load(R + row64 * stride_r).to(tl.float32)
-        mean = 0.0
-        m2 = 0.0
-        for start in range(0, N, BLOCK_SIZE):
-            offs = start + cols
-            mask = offs < N
-            x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-            if ADD:
-                h = residual_in(x, R + row64 * stride_r + offs, mask, key, offs, p,
-                                scale, HAS_R, DROPOUT).to(H.dtype.element_ty)  # fmt: skip
-                tl.store(H + row64 * stride_h + offs, h, mask=mask)
-                x = h.to(tl.float32)
-            if IS_RMS:
-                m2 += tl.sum(x * x, axis=0)
-            else:
-                count = tl.cast(tl.minimum(N - start, BLOCK_SIZE), tl.float32)
-                xs = tl.where(mask, x - shift, 0.0)
-                mean, m2 = chan_merge(mean, m2, xs, mask, tl.cast(start, tl.float32), count)
-        rstd = 1.0 / tl.sqrt(m2 * inv_n + eps)
-        tl.store(Rstd + row, rstd)
-        if not IS_RMS:
-            tl.store(Mean + row, shift + mean)
-        # Sweep 2: h is recomputed (bitwise the same) rather than read back from H.
-        for start in range(0, N, BLOCK_SIZE):
-            offs = start + cols
-            mask = offs < N
-            x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-            if ADD:
-                x = residual_in(x, R + row64 * stride_r + offs, mask, key, offs, p, scale, HAS_R,
-                                DROPOUT).to(H.dtype.element_ty).to(tl.float32)  # fmt: skip
-            y = normalize(x - shift, mean, rstd, mask, IS_RMS)
-            if HAS_W:
-                y = y * tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
-            if HAS_B:
-                y = y + tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(y_row + offs, y.to(Y.dtype.element_ty), mask=mask)
+    for row in range(tl.program_id(0), M, tl.num_programs(0)):  # common.row_norm_fwd_tiles: CUDA's too
+        row_norm_fwd_tiles(X, R, H, Y, W, B, Mean, Rstd, row, stride_x, stride_r, stride_h, stride_y, N,
+                           inv_n, eps, seed, p, scale, BLOCK_SIZE, IS_RMS, HAS_W, HAS_B, ADD, HAS_R, DROPOUT,
+                           tl.float32)  # fmt: skip
 
 
 @triton.jit
@@ -291,29 +254,9 @@ def _bwd_row_terms_kernel(
     HAS_W: tl.constexpr,
 ):
     # UB (planned by bishengir-compile, ci/npu_stage2.py, 2026-11-26): up to 44.3 KB.
-    cols = tl.arange(0, BLOCK_SIZE)
     for row in range(tl.program_id(0), M, tl.num_programs(0)):
-        x_row = X + tl.cast(row, tl.int64) * stride_x
-        dy_row = DY + tl.cast(row, tl.int64) * stride_dy
-        rstd = tl.load(Rstd + row)
-        if IS_RMS:
-            mean = 0.0
-        else:
-            mean = tl.load(Mean + row)
-        c1 = 0.0
-        c2 = 0.0
-        for start in range(0, N, BLOCK_SIZE):
-            offs = start + cols
-            mask = offs < N
-            x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-            wdy = tl.load(dy_row + offs, mask=mask, other=0.0).to(tl.float32)
-            if HAS_W:
-                wdy = wdy * tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
-            c1 += tl.sum(normalize(x, mean, rstd, mask, IS_RMS) * wdy, axis=0)
-            c2 += tl.sum(wdy, axis=0)
-        tl.store(C1 + row, c1 * inv_n)
-        if not IS_RMS:
-            tl.store(C2 + row, c2 * inv_n)
+        row_norm_bwd_terms(X, DY, W, Mean, Rstd, C1, C2, row, stride_x, stride_dy, N, inv_n, BLOCK_SIZE,
+                           IS_RMS, HAS_W, tl.float32)  # fmt: skip
 
 
 @triton.jit
@@ -353,45 +296,11 @@ def _bwd_dx_kernel(
     # UB (planned by bishengir-compile, ci/npu_stage2.py, 2026-11-26): up to 120.1 KB (with dropout).
     tiles = tl.cdiv(N, BLOCK_SIZE)
     for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
-        chunk = item // tiles
         cols = (item % tiles) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-        mask = cols < N
-        if HAS_W:
-            w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-        dw = tl.zeros([BLOCK_SIZE], tl.float32)
-        db = tl.zeros([BLOCK_SIZE], tl.float32)
-        row_start = chunk * rows_per_chunk
-        for row in range(row_start, tl.minimum(row_start + rows_per_chunk, M)):
-            row64 = tl.cast(row, tl.int64)
-            key = row_key(seed, row)  # dropout: this row's key (*)
-            x = tl.load(X + row64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(DY + row64 * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
-            rstd = tl.load(Rstd + row)
-            if IS_RMS:
-                mean = 0.0
-            else:
-                mean = tl.load(Mean + row)
-            xhat = normalize(x, mean, rstd, mask, IS_RMS)
-            if HAS_W:
-                wdy = dy * w
-            else:
-                wdy = dy
-            if IS_RMS:
-                dx = (wdy - xhat * tl.load(C1 + row)) * rstd
-            else:
-                dx = (wdy - (xhat * tl.load(C1 + row) + tl.load(C2 + row))) * rstd
-            dx = residual_grad(dx, DH + row64 * stride_dh + cols, DRES + row64 * stride_dres + cols,
-                               mask, key, cols, p, scale, HAS_DH, HAS_DRES, DROPOUT)  # fmt: skip
-            tl.store(DX + row64 * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
-            if HAS_W:
-                dw += dy * xhat
-            if HAS_DB:
-                db += dy
-        part = tl.cast(chunk, tl.int64) * N + cols
-        if HAS_W:
-            tl.store(DW_part + part, dw, mask=mask)
-        if HAS_DB:
-            tl.store(DB_part + part, db, mask=mask)
+        row_norm_bwd_tile(X, DY, DH, DX, DRES, W, Mean, Rstd, C1, C2, DW_part, DB_part, item // tiles, cols,
+                          stride_x, stride_dy, stride_dh, stride_dx, stride_dres, M, N, rows_per_chunk, seed,
+                          p, scale, BLOCK_SIZE, IS_RMS, HAS_W, HAS_DB, HAS_DH, HAS_DRES, DROPOUT,
+                          tl.float32)  # fmt: skip
 
 
 def _held_width(dropout_p):

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from normkit.backends.common import online_max_sum
+from normkit.backends.common import softmax_fwd_tiles
 from normkit.backends.npu import config
 
 
@@ -90,25 +90,8 @@ def _fwd_kernel(
     LOG: tl.constexpr,  # log_softmax
 ):
     # UB (planned by bishengir-compile, ci/npu_stage2.py, 2026-11-26): up to 22.7 KB.
-    cols = tl.arange(0, BLOCK_SIZE)
-    for row in range(tl.program_id(0), M, tl.num_programs(0)):
-        x_row = X + tl.cast(row, tl.int64) * stride_x
-        y_row = Y + tl.cast(row, tl.int64) * stride_y
-        m = float("-inf")
-        s = 0.0
-        for start in range(0, N, BLOCK_SIZE):
-            offs = start + cols
-            x = tl.load(x_row + offs, mask=offs < N, other=float("-inf")).to(tl.float32)
-            m, s = online_max_sum(m, s, x)
-        for start in range(0, N, BLOCK_SIZE):
-            offs = start + cols
-            mask = offs < N
-            x = tl.load(x_row + offs, mask=mask, other=float("-inf")).to(tl.float32)
-            if LOG:
-                y = (x - m) - tl.log(s)
-            else:
-                y = tl.exp(x - m) / s
-            tl.store(y_row + offs, y.to(Y.dtype.element_ty), mask=mask)
+    for row in range(tl.program_id(0), M, tl.num_programs(0)):  # common.softmax_fwd_tiles: CUDA's too
+        softmax_fwd_tiles(X, Y, row, stride_x, stride_y, N, BLOCK_SIZE, LOG, tl.float32)
 
 
 @triton.jit

@@ -204,6 +204,12 @@ def cmd_info(args) -> int:
     print("backends:")
     for device_type, module in sorted(dispatch.registered().items()):
         print(f"  {device_type:9s} -> {module}")
+        try:
+            left = dispatch.falls_back(importlib.import_module(module))
+        except ImportError:  # its Triton is not installed: said above
+            continue
+        for fn, why in left.items():
+            print(f"              {fn}: from normkit.reference ({why})")
     if args.shape and not _has_triton():
         print('launch configs: need the `triton` module (pip install "normkit[cuda]", or "normkit[npu]")')
     elif args.shape:

@@ -17,6 +17,21 @@ import torch
 
 from normkit.errors import InvalidArgument
 
+# The backend contract (docs/design.md): the functions a backend module may define. One it does not
+# define is served by normkit.reference (plain PyTorch, any device), which defines them all; the
+# backend names each one it leaves out, with why, in FALLS_BACK (contract function -> reason).
+CONTRACT = (
+    "layer_norm_fwd", "layer_norm_bwd", "rms_norm_fwd", "rms_norm_bwd", "softmax_fwd", "softmax_bwd",
+    "add_layer_norm_fwd", "add_layer_norm_bwd", "add_rms_norm_fwd", "add_rms_norm_bwd", "group_norm_fwd",
+    "group_norm_bwd", "batch_norm_stats", "batch_norm_apply", "batch_norm_train_fwd", "batch_norm_bwd",
+)  # fmt: skip
+
+
+def falls_back(module) -> dict[str, str]:
+    """Contract function -> why, for those ``module`` (a backend) leaves to the reference."""
+    return dict(getattr(module, "FALLS_BACK", {}))
+
+
 # Adding a backend = a new folder under backends/ + one line here.
 _REGISTRY: Mapping[str, str] = {
     "cuda": "normkit.backends.cuda",

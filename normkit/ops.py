@@ -28,8 +28,13 @@ from normkit import dispatch, higher_order, reference
 _NONE = (0,)  # shape of the empty tensor that stands for "no such output"
 
 
-def _backend(x: Tensor):
-    return reference if x.numel() == 0 else dispatch.backend_for(x.device)
+def _backend(x: Tensor, fn: str):
+    """The module whose contract function ``fn`` serves x: its device's backend, or the reference
+    where x is empty or the backend leaves ``fn`` to it (``dispatch.falls_back``)."""
+    if x.numel() == 0:
+        return reference
+    backend = dispatch.backend_for(x.device)
+    return backend if hasattr(backend, fn) else reference
 
 
 _NO_GUARD = contextlib.nullcontext()
@@ -97,7 +102,7 @@ def layer_norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], 
                    ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """(M, N) rows -> (y, mean, rstd)."""
     with _on(x.device):
-        backend = _backend(x)
+        backend = _backend(x, "layer_norm_fwd")
         out = backend.layer_norm_fwd(x, weight, bias, eps)
     return _outs(out, x, (x, weight, bias), backend)
 
@@ -113,7 +118,7 @@ def layer_norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor
                    bias_dtype: Optional[torch.dtype]) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """-> (dx, dweight or empty, dbias or empty)."""
     with _on(x.device):
-        backend = _backend(x)
+        backend = _backend(x, "layer_norm_bwd")
         out = backend.layer_norm_bwd(dy, x, weight, mean, rstd, bias_dtype)
     return _outs(out, x, (dy, x, weight, mean, rstd), backend)
 
@@ -149,7 +154,7 @@ layer_norm_fwd.register_autograd(_layer_norm_backward, setup_context=_layer_norm
 def rms_norm_fwd(x: Tensor, weight: Optional[Tensor], eps: float) -> tuple[Tensor, Tensor]:
     """(M, N) rows -> (y, rstd)."""
     with _on(x.device):
-        backend = _backend(x)
+        backend = _backend(x, "rms_norm_fwd")
         out = backend.rms_norm_fwd(x, weight, eps)
     return _outs(out, x, (x, weight), backend)
 
@@ -163,7 +168,7 @@ def _(x, weight, eps):
 def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Tensor) -> tuple[Tensor, Tensor]:
     """-> (dx, dweight or empty)."""
     with _on(x.device):
-        backend = _backend(x)
+        backend = _backend(x, "rms_norm_bwd")
         out = backend.rms_norm_bwd(dy, x, weight, rstd)
     return _outs(out, x, (dy, x, weight, rstd), backend)
 
@@ -200,7 +205,7 @@ rms_norm_fwd.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup
 def softmax_fwd(x: Tensor, log: bool) -> Tensor:
     """(M, N) rows -> softmax (log_softmax when ``log``) of each row."""
     with _on(x.device):
-        backend = _backend(x)
+        backend = _backend(x, "softmax_fwd")
         return _outs((backend.softmax_fwd(x, log),), x, (x,), backend)[0]
 
 
@@ -212,7 +217,7 @@ def _(x, log):
 @custom_op("normkit::softmax_bwd", mutates_args=())
 def softmax_bwd(dy: Tensor, y: Tensor, log: bool) -> Tensor:
     with _on(y.device):
-        backend = _backend(y)
+        backend = _backend(y, "softmax_bwd")
         return _outs((backend.softmax_bwd(dy, y, log),), y, (dy, y), backend)[0]
 
 
@@ -246,7 +251,7 @@ def add_norm_fwd(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor]
     """h = dropout(x) + residual; y = norm(h) -> (y, h, mean, rstd); mean is empty for RMSNorm."""
     ins = (x, residual, weight, bias)
     with _on(x.device):
-        backend = _backend(x)
+        backend = _backend(x, "add_rms_norm_fwd" if is_rms else "add_layer_norm_fwd")
         if is_rms:
             y, h, rstd = backend.add_rms_norm_fwd(x, residual, weight, eps, dropout_p, seed, h_dtype)
             mean = None
@@ -274,7 +279,7 @@ def add_norm_bwd(dy: Tensor, dh: Optional[Tensor], h: Tensor, weight: Optional[T
     """-> (dx, dresidual or empty, dweight or empty, dbias or empty)."""
     drop = (dropout_p, seed, x_dtype, residual_dtype)
     with _on(h.device):
-        backend = _backend(h)
+        backend = _backend(h, "add_rms_norm_bwd" if is_rms else "add_layer_norm_bwd")
         if is_rms:
             dx, dres, dw = backend.add_rms_norm_bwd(dy, dh, h, weight, rstd, *drop)
             db = None
@@ -336,7 +341,7 @@ def group_norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], 
     """x: (N, C, HW), contiguous or channels-last -> (y in x's layout, mean, rstd), statistics per
     (sample, group): (N * G,)."""
     with _on(x.device):
-        backend = _backend(x)
+        backend = _backend(x, "group_norm_fwd")
         out = backend.group_norm_fwd(x, weight, bias, num_groups, eps)
     return _outs(out, x, (x, weight, bias), backend)
 
@@ -353,7 +358,7 @@ def group_norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor
                    ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """-> (dx, dweight or empty, dbias or empty)."""
     with _on(x.device):
-        backend = _backend(x)
+        backend = _backend(x, "group_norm_bwd")
         out = backend.group_norm_bwd(dy, x, weight, mean, rstd, num_groups, bias_dtype)
     return _outs(out, x, (dy, x, weight, mean, rstd), backend)
 
@@ -404,7 +409,7 @@ def batch_norm_stats(x: Tensor, eps: float, momentum: float, running_mean: Optio
     statistics (when given) in place. Not differentiable by itself: batch_norm_fwd's backward
     (training=True) accounts for the statistics' gradient."""
     with _on(x.device):
-        backend = _backend(x)
+        backend = _backend(x, "batch_norm_stats")
         return _outs(backend.batch_norm_stats(x, eps, momentum, running_mean, running_var), x, (x,), backend)
 
 
@@ -419,7 +424,7 @@ def batch_norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], 
                    training: bool) -> Tensor:  # fmt: skip
     """y = (x - mean_c) * rstd_c * weight_c + bias_c; ``training``: mean / rstd are this batch's."""
     with _on(x.device):
-        backend = _backend(x)
+        backend = _backend(x, "batch_norm_apply")
         y = backend.batch_norm_apply(x, weight, bias, mean, rstd)
         return _outs((y,), x, (x, weight, bias), backend)[0]
 
@@ -435,7 +440,7 @@ def batch_norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor
                    ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """-> (dx, dweight or empty, dbias or empty)."""
     with _on(x.device):
-        backend = _backend(x)
+        backend = _backend(x, "batch_norm_bwd")
         out = backend.batch_norm_bwd(dy, x, weight, mean, rstd, training, bias_dtype)
     return _outs(out, x, (dy, x, weight, mean, rstd), backend)
 
@@ -480,7 +485,7 @@ def _batch_norm_train_call(x, weight, bias, eps, momentum, running_mean, running
     """The backend's batch_norm_train_fwd: all 5 outputs (the operator), or (y, mean, rstd) with
     the running statistics updated in place (``in_place``: the eager kernel)."""
     with _on(x.device):
-        backend = _backend(x)
+        backend = _backend(x, "batch_norm_train_fwd")
         out = backend.batch_norm_train_fwd(x, weight, bias, eps, momentum, running_mean, running_var,
                                            in_place)  # fmt: skip
     if in_place:

@@ -540,3 +540,43 @@ def test_plans_never_serve_a_converted_argument(monkeypatch):
                 torch.testing.assert_close(y, F.rms_norm(x, (8,), weight, 1e-6))
     assert "row_norm forward" in calls  # the plain calls were served by plans
     functional._PLANS.clear()
+
+
+def test_a_backend_may_leave_contract_functions_to_the_reference(monkeypatch):
+    """A backend module that does not define some contract functions (named, with why, in its
+    FALLS_BACK) serves the others, and normkit.reference serves those, forward and backward. Every
+    registered backend defines each contract function or names it there; the reference defines all."""
+    import importlib
+
+    from normkit import reference
+
+    for name in ("normkit.reference", "normkit.backends.cuda", "normkit.backends.npu"):
+        module = importlib.import_module(name)
+        left = dispatch.falls_back(module)
+        assert all(isinstance(why, str) and why for why in left.values()), name
+        assert [fn for fn in dispatch.CONTRACT if hasattr(module, fn) == (fn in left)] == [], name
+    assert not dispatch.falls_back(reference)
+
+    served = []
+    partial = types.ModuleType("normkit_test_partial_backend")
+    partial.NAME, partial.SUPPORTED_DTYPES = "partial", reference.SUPPORTED_DTYPES
+    partial.FALLS_BACK = {"group_norm_fwd": "not written yet", "group_norm_bwd": "not written yet"}
+    for fn in dispatch.CONTRACT:
+        if fn not in partial.FALLS_BACK:
+            def counted(*args, _name=fn, **kwargs):
+                served.append(_name)
+                return getattr(reference, _name)(*args, **kwargs)
+
+            setattr(partial, fn, counted)
+    monkeypatch.setitem(sys.modules, partial.__name__, partial)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 6, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(6, generator=g, dtype=torch.float64, requires_grad=True)
+    with dispatch.use_backend("cpu", partial.__name__):
+        y = normkit.group_norm(x, 3, w) * 2 + normkit.layer_norm(x, (5,))
+        y.sum().backward()
+    assert served == ["layer_norm_fwd", "layer_norm_bwd"]
+    x2, w2 = x.detach().requires_grad_(), w.detach().requires_grad_()
+    (F.group_norm(x2, 3, w2) * 2 + F.layer_norm(x2, (5,))).sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad)
+    torch.testing.assert_close(w.grad, w2.grad)

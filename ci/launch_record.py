@@ -221,8 +221,10 @@ def _calls(cuda, rec: Recorder, dtypes=DTYPES, row_ns=ROW_NS, images=IMAGES):
             rec.out(cuda.group_norm_bwd(dy, x, w, mean, rstd, g, dtype))
             for grad in () if cl else (False, True):  # plans serve contiguous inputs only
                 rec.start(f"plan_group_norm grad={grad} {tag}", **t)
-                rec.plan(cuda.plan_group_norm(x, w, b, g, 1e-5, grad), grad, (x, None, w, b),
-                         lambda f, dy=dy, x=x, w=w: (dy, None, x, w, f[2], f[3]))  # fmt: skip
+                # the plan is made for the (N, C, HW) view and called on the input as given (functional)
+                x4, dy4 = x.view(n, c, 1, hw), dy.view(n, c, 1, hw)
+                rec.plan(cuda.plan_group_norm(x, w, b, g, 1e-5, grad), grad, (x4, None, w, b),
+                         lambda f, dy=dy4, x4=x4, w=w: (dy, None, x4, w, f[2], f[3]))  # fmt: skip
             if cl:
                 continue
             rm, rv = torch.empty(c, device=dev, dtype=acc), torch.empty(c, device=dev, dtype=acc)

@@ -368,14 +368,14 @@ def _fwd_kernel(cfg, flags, cl=False, stats=None):
     return _fwd_fused_kernel, dict(meta, **flags, **({"CL": True} if cl else {}))
 
 
-def _fwd_args(cfg, x, y, w, b, mean, rstd, G, eps, eps_lo) -> tuple:
-    """The positional arguments of :func:`_fwd_kernel`'s kernel: x (N, C, HW), y, the weight and
-    bias (or placeholders), the statistics."""
-    N, C, HW = x.shape
+def _fwd_args(cfg, shape, G, eps, eps_lo) -> tuple:
+    """The trailing (scalar) arguments of :func:`_fwd_kernel`'s kernel for x of ``shape`` (N, C, HW);
+    its leading ones are (x, y, weight, bias, mean, rstd), placeholders where there is no weight / bias."""
+    N, C, HW = shape
     Cg = C // G
     if cfg.fused:
-        return (x, y, w, b, mean, rstd, N * G, G, HW, Cg, eps, eps_lo)
-    return (x, y, w, b, mean, rstd, G, C, Cg * HW, HW, Cg, eps, eps_lo)
+        return (N * G, G, HW, Cg, eps, eps_lo)
+    return (G, C, Cg * HW, HW, Cg, eps, eps_lo)
 
 
 def _bwd_launch(shape, G, dtype, has_w, has_db, in_smem=None, cl=False):
@@ -421,7 +421,8 @@ def group_norm_fwd(x, weight, bias, num_groups, eps):
                **dict(flags, num_warps=tile.num_warps))  # fmt: skip
     elif cfg.fused or split is None:
         kernel, meta = _fwd_kernel(cfg, flags, cl)
-        launch(kernel, cfg.grid, *_fwd_args(cfg, x, y, w, b, mean, rstd, num_groups, eps, eps_lo), **meta)
+        tail = _fwd_args(cfg, x.shape, num_groups, eps, eps_lo)
+        launch(kernel, cfg.grid, x, y, w, b, mean, rstd, *tail, **meta)
     else:
         _split_forward(split, x.shape, x.dtype, x.device, weight is not None, bias is not None, num_groups,
                        eps)(x, y, w, b, mean, rstd)  # fmt: skip
@@ -468,9 +469,10 @@ def plan_group_norm(x, weight, bias, num_groups, eps, grad=False):
     else:
         kernel, meta = _fwd_kernel(cfg, flags, stats=grad)
         bound = Bound(kernel, cfg.grid, x.device.index, **meta)
+        tail = _fwd_args(cfg, x.shape, num_groups, eps, eps_lo)
 
         def launch_fwd(x, y, w, b, mean, rstd):
-            bound(*_fwd_args(cfg, x, y, w, b, mean, rstd, num_groups, eps, eps_lo))
+            bound(x, y, w, b, mean, rstd, *tail)
 
     def forward(x, r, w, b):
         y = torch.empty_like(x)

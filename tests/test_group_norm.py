@@ -116,8 +116,11 @@ def _check_group_norm_backward_rows_in_shared_memory(run_on, shape, groups, dtyp
         x3 = x.view(N, C, HW)
         dy3 = torch.empty(x.numel() + 1, dtype=dtype, device=device)[1:].view(N, C, HW)
         dy3.copy_(dy.view(N, C, HW))
-        assert gn._bwd_smem_config(x3, groups, dy3) is None
-        assert gn._bwd_smem_config(x3, groups, dy.view(N, C, HW).float()) is None  # dy not in x's dtype
+        assert gn._smem_ok(x3, groups) and gn._smem_ok(x3, groups, dy.view(N, C, HW))
+        assert not gn._smem_ok(x3, groups, dy3)
+        assert not gn._smem_ok(x3, groups, dy.view(N, C, HW).float())  # dy not in x's dtype
+        assert config.group_norm_bwd_strategy(N, C, HW, groups, dtype, device, False, True).kernel == "smem"
+        assert config.group_norm_bwd_strategy(N, C, HW, groups, dtype, device, False, False).kernel == "rows"
         _, mean_, rstd_ = gn.group_norm_fwd(x3, w, b, groups, 1e-5)
         aligned = gn.group_norm_bwd(dy.view(N, C, HW), x3, w, mean_, rstd_, groups, b.dtype)
         unaligned = gn.group_norm_bwd(dy3, x3, w, mean_, rstd_, groups, b.dtype)

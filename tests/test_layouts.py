@@ -111,3 +111,10 @@ def test_channels_last_group_norm_paths(dtype):
     assert config.group_norm(4 * 2, 64 // size, 64, dtype, cl=True).fused
     assert not config.group_norm(4 * 32, 32 // size, 64, dtype, cl=True).fused
     assert config.group_norm(4 * 32, 32 // size, 64, dtype).fused
+    cpu = torch.device("cpu")  # the whole forward's strategy: as the tiles say
+    assert config.group_norm_fwd_strategy(4, 64 // size * 2, 64, 2, dtype, cpu, True).kernel == "fused"
+    cl_tiles = config.group_norm_fwd_strategy(4, 32 // size * 32, 64, 32, dtype, cpu, True)
+    assert cl_tiles.kernel == "channels_last"
+    assert config.group_norm_fwd_strategy(4, 32 // size * 32, 64, 32, dtype, cpu).kernel == "fused"
+    long = config.group_norm_fwd_strategy(2, 64, 128 * 128, 2, dtype, cpu)  # 2^19 values a row
+    assert long.kernel in ("looped", "split") and not long.tiles.fused

@@ -906,6 +906,64 @@ def group_norm_split_backward(rows: int, L: int, G: int, dtype: torch.dtype, dev
                                None), G)  # fmt: skip
 
 
+@dataclass(frozen=True)
+class GroupNormForward:
+    """How a GroupNorm forward runs (:func:`group_norm_fwd_strategy`). ``kernel``: "fused" (whole
+    rows in registers, ``tiles``), "looped" (one program a row over 1-D tiles, ``tiles``), "split"
+    (the row norms' split forward, ``split``) or "channels_last" (one program a row over [channels,
+    HW] tiles, ``tiles``: the backward's)."""
+
+    kernel: str
+    tiles: ImageConfig
+    split: LaunchConfig | None = None
+
+
+@_memoized
+def group_norm_fwd_strategy(N: int, C: int, HW: int, G: int, dtype: torch.dtype, device: torch.device,
+                            cl: bool = False, affine: bool = True) -> GroupNormForward:  # fmt: skip
+    """The GroupNorm forward of an (N, C, HW) input in G groups, channels-last (``cl``) or contiguous,
+    with a weight or bias (``affine``): fused where :func:`group_norm` fits the row, else
+    channels-last rows over the backward's tiles, contiguous ones through the row norms' split
+    forward (:func:`group_norm_split_forward`) or looped."""
+    rows, Cg = N * G, C // G
+    tiles = group_norm(rows, Cg, HW, dtype, cl)
+    if tiles.fused:
+        return GroupNormForward("fused", tiles)
+    if cl:
+        return GroupNormForward("channels_last", group_norm_backward(rows, Cg, HW, dtype))
+    split = group_norm_split_forward(rows, Cg * HW, G, dtype, device, affine)
+    return GroupNormForward("looped", tiles) if split is None else GroupNormForward("split", tiles, split)
+
+
+@dataclass(frozen=True)
+class GroupNormBackward:
+    """How a GroupNorm backward runs (:func:`group_norm_bwd_strategy`). ``kernel``: "split" (the row
+    norms' split backward, ``split``), "smem" (rows held in shared memory, ``smem``) or "rows" (one
+    program a row, ``tiles``)."""
+
+    kernel: str
+    tiles: ImageConfig | None = None
+    split: LaunchConfig | None = None
+    smem: LaunchConfig | None = None
+
+
+@_memoized
+def group_norm_bwd_strategy(N: int, C: int, HW: int, G: int, dtype: torch.dtype, device: torch.device,
+                            cl: bool = False, smem_ok: bool = False) -> GroupNormBackward:  # fmt: skip
+    """The GroupNorm backward of an (N, C, HW) input in G groups: contiguous long rows through the
+    row norms' split backward (:func:`group_norm_split_backward`), else contiguous rows in shared
+    memory where :func:`group_norm_smem_backward` allows and the caller found x and dy aligned, in
+    x's dtype (``smem_ok``), else one program a row (channels-last rows always)."""
+    rows, Cg = N * G, C // G
+    split = None if cl else group_norm_split_backward(rows, Cg * HW, G, dtype, device)
+    if split is not None:
+        return GroupNormBackward("split", split=split)
+    in_smem = group_norm_smem_backward(rows, Cg, HW, dtype, device) if smem_ok and not cl else None
+    if in_smem is not None:
+        return GroupNormBackward("smem", smem=in_smem)
+    return GroupNormBackward("rows", tiles=group_norm_backward(rows, Cg, HW, dtype))
+
+
 def _group_aligned(cfg: LaunchConfig | None, G: int) -> LaunchConfig | None:
     """A split-row config whose row groups are cut to a multiple of G (program group g then takes
     rows of one GroupNorm group only: one weight row, kept in cache), or None if fewer than G fit."""

@@ -378,16 +378,16 @@ def _fwd_args(cfg, shape, G, eps, eps_lo) -> tuple:
     return (G, C, Cg * HW, HW, Cg, eps, eps_lo)
 
 
-def _bwd_launch(shape, G, dtype, has_w, has_db, in_smem=None, cl=False):
-    """(kernel, grid, launch keywords, trailing arguments) of the backward: the shared-memory kernel
-    where ``in_smem`` (its config) is given, else the one-program-per-row kernel. Its arguments:
-    (x, dy, dx, weight, mean, rstd, dweight partials, dbias partials, *trailing)."""
+def _bwd_launch(how, shape, G, dtype, has_w, has_db, cl=False):
+    """(kernel, grid, launch keywords, trailing arguments) of the backward ``how`` (a
+    ``config.GroupNormBackward``, "smem" or "rows"). Its arguments: (x, dy, dx, weight, mean, rstd,
+    dweight partials, dbias partials, *trailing)."""
     N, C, HW = shape
     Cg = C // G
-    if in_smem is not None:
-        meta = _bwd_smem_meta(in_smem, Cg, has_w, has_db)
-        return _bwd_smem_kernel, in_smem.grid, meta, (N * G, G, C, HW, Cg, Cg * HW)
-    cfg = config.group_norm_backward(N * G, Cg, HW, dtype)
+    if how.kernel == "smem":
+        meta = _bwd_smem_meta(how.smem, Cg, has_w, has_db)
+        return _bwd_smem_kernel, how.smem.grid, meta, (N * G, G, C, HW, Cg, Cg * HW)
+    cfg = how.tiles
     meta = dict(CB=cfg.row_block, HWB=cfg.hw_block, HAS_W=has_w, HAS_DB=has_db,
                 ACC=config.tl_acc_dtype(dtype), num_warps=cfg.num_warps)  # fmt: skip
     if cl:
@@ -401,31 +401,27 @@ def group_norm_fwd(x, weight, bias, num_groups, eps):
     ``_fwd_cl_kernel`` (read in place)."""
     N, C, HW = x.shape
     cl = channels_last(x)
-    rows, L = N * num_groups, C // num_groups * HW
-    cfg = config.group_norm(rows, C // num_groups, HW, x.dtype, cl)
+    how = config.group_norm_fwd_strategy(N, C, HW, num_groups, x.dtype, x.device, cl,
+                                         weight is not None or bias is not None)  # fmt: skip
     y = torch.empty_like(x)
-    mean = torch.empty(rows, dtype=config.acc_dtype(x.dtype), device=x.device)
+    mean = torch.empty(N * num_groups, dtype=config.acc_dtype(x.dtype), device=x.device)
     rstd = torch.empty_like(mean)
     w = weight if weight is not None else x
     b = bias if bias is not None else x
     eps_lo = config.eps_tail(eps, x.device)
     flags = dict(HAS_W=weight is not None, HAS_B=bias is not None, ACC=config.tl_acc_dtype(x.dtype),
-                 num_warps=cfg.num_warps)  # fmt: skip
-    affine = weight is not None or bias is not None
-    split = None if cfg.fused or cl else config.group_norm_split_forward(rows, L, num_groups, x.dtype,
-                                                                         x.device, affine)  # fmt: skip
-    if cl and not cfg.fused:  # the backward's tiles (channels contiguous), walked twice
-        tile = config.group_norm_backward(rows, C // num_groups, HW, x.dtype)
+                 num_warps=how.tiles.num_warps)  # fmt: skip
+    if how.kernel == "split":
+        _split_forward(how.split, x.shape, x.dtype, x.device, weight is not None, bias is not None,
+                       num_groups, eps)(x, y, w, b, mean, rstd)  # fmt: skip
+    elif how.kernel == "channels_last":  # the backward's tiles (channels contiguous), walked twice
+        tile = how.tiles
         launch(_fwd_cl_kernel, tile.grid, x, y, w, b, mean, rstd, num_groups, C, HW, C // num_groups, eps,
-               eps_lo, CB=tile.row_block, HWB=tile.hw_block,
-               **dict(flags, num_warps=tile.num_warps))  # fmt: skip
-    elif cfg.fused or split is None:
-        kernel, meta = _fwd_kernel(cfg, flags, cl)
-        tail = _fwd_args(cfg, x.shape, num_groups, eps, eps_lo)
-        launch(kernel, cfg.grid, x, y, w, b, mean, rstd, *tail, **meta)
-    else:
-        _split_forward(split, x.shape, x.dtype, x.device, weight is not None, bias is not None, num_groups,
-                       eps)(x, y, w, b, mean, rstd)  # fmt: skip
+               eps_lo, CB=tile.row_block, HWB=tile.hw_block, **flags)  # fmt: skip
+    else:  # fused or looped
+        kernel, meta = _fwd_kernel(how.tiles, flags, cl)
+        tail = _fwd_args(how.tiles, x.shape, num_groups, eps, eps_lo)
+        launch(kernel, how.tiles.grid, x, y, w, b, mean, rstd, *tail, **meta)
     return y, mean, rstd
 
 
@@ -436,7 +432,7 @@ def plan_group_norm(x, weight, bias, num_groups, eps, grad=False):
     are called directly (launch.Bound). None off the GPU. The forward is the fused kernel or, for
     rows over its limit, the split (:func:`_split_forward`) or looped one (both write the
     statistics, also for inference); the training backward is the shared-memory kernel
-    (:func:`_bwd_smem_config`) or the one-program-per-row kernel, with planned partial sums, or for
+    (where :func:`_smem_ok`) or the one-program-per-row kernel, with planned partial sums, or for
     long fp32 rows the split backward (:func:`_split_backward`, a fresh workspace each call).
 
     Inference: ``run(input, None, weight, bias)`` -> y, one launch (no statistics written by the
@@ -444,32 +440,31 @@ def plan_group_norm(x, weight, bias, num_groups, eps, grad=False):
     bias)`` -> (y, None, mean, rstd); ``backward(dy, None, input, weight, mean, rstd)`` -> (dx, None,
     dweight, dbias), dy contiguous and 16-byte aligned, None where there is no weight / bias."""
     N, C, HW = x.shape
-    rows, Cg = N * num_groups, C // num_groups
-    cfg = config.group_norm(rows, Cg, HW, x.dtype)
+    rows = N * num_groups
     if x.device.type != "cuda":
         return None
     backward = None
-    if grad:
-        split = config.group_norm_split_backward(rows, Cg * HW, num_groups, x.dtype, x.device)
+    if grad:  # the plan's dy comes 16-byte aligned, in x's dtype
+        back = config.group_norm_bwd_strategy(N, C, HW, num_groups, x.dtype, x.device, False,
+                                              _smem_ok(x, num_groups))  # fmt: skip
         dtypes = (None if weight is None else weight.dtype, None if bias is None else bias.dtype)
-        if split is not None:
-            backward = _split_backward(split, x.shape, x.dtype, x.device, dtypes, num_groups)
+        if back.kernel == "split":
+            backward = _split_backward(back.split, x.shape, x.dtype, x.device, dtypes, num_groups)
         else:
-            backward = _plan_backward(x, weight, bias, num_groups)
+            backward = _plan_backward(back, x, weight, bias, num_groups)
     acc = config.acc_dtype(x.dtype)
+    how = config.group_norm_fwd_strategy(N, C, HW, num_groups, x.dtype, x.device, False,
+                                         weight is not None or bias is not None)  # fmt: skip
     flags = dict(HAS_W=weight is not None, HAS_B=bias is not None, ACC=config.tl_acc_dtype(x.dtype),
-                 num_warps=cfg.num_warps)  # fmt: skip
+                 num_warps=how.tiles.num_warps)  # fmt: skip
     eps_lo = config.eps_tail(eps, x.device)
-    affine = weight is not None or bias is not None
-    split = None if cfg.fused else config.group_norm_split_forward(rows, Cg * HW, num_groups, x.dtype,
-                                                                   x.device, affine)  # fmt: skip
-    if split is not None:
-        launch_fwd = _split_forward(split, x.shape, x.dtype, x.device, weight is not None, bias is not None,
-                                    num_groups, eps)  # fmt: skip
+    if how.kernel == "split":
+        launch_fwd = _split_forward(how.split, x.shape, x.dtype, x.device, weight is not None,
+                                    bias is not None, num_groups, eps)  # fmt: skip
     else:
-        kernel, meta = _fwd_kernel(cfg, flags, stats=grad)
-        bound = Bound(kernel, cfg.grid, x.device.index, **meta)
-        tail = _fwd_args(cfg, x.shape, num_groups, eps, eps_lo)
+        kernel, meta = _fwd_kernel(how.tiles, flags, stats=grad)
+        bound = Bound(kernel, how.tiles.grid, x.device.index, **meta)
+        tail = _fwd_args(how.tiles, x.shape, num_groups, eps, eps_lo)
 
         def launch_fwd(x, y, w, b, mean, rstd):
             bound(x, y, w, b, mean, rstd, *tail)
@@ -488,18 +483,17 @@ def plan_group_norm(x, weight, bias, num_groups, eps, grad=False):
 
     if grad:
         return forward, backward
-    return run if cfg.fused else (lambda x, r, w, b: forward(x, r, w, b)[0])
+    return run if how.kernel == "fused" else (lambda x, r, w, b: forward(x, r, w, b)[0])
 
 
-def _plan_backward(x, weight, bias, G):
-    """The training plan's backward (see :func:`plan_group_norm`): the one-program-per-row kernel,
-    then the per-sample partials summed by one launch (``reduce.plan_sum``)."""
+def _plan_backward(how, x, weight, bias, G):
+    """The training plan's backward (see :func:`plan_group_norm`) ``how`` ("smem" or "rows"), then
+    the per-sample partials summed by one launch (``reduce.plan_sum``)."""
     N, C, HW = x.shape
     has_w, has_db = weight is not None, bias is not None
     dtypes = (weight.dtype if has_w else None, bias.dtype if has_db else None)
     parts = has_w + has_db
-    in_smem = _bwd_smem_config(x, G)  # the plan's dy comes 16-byte aligned, in x's dtype
-    kernel, grid, meta, tail = _bwd_launch(x.shape, G, x.dtype, has_w, has_db, in_smem)
+    kernel, grid, meta, tail = _bwd_launch(how, x.shape, G, x.dtype, has_w, has_db)
     bound = Bound(kernel, grid, x.device.index, **meta)
     summed = reduce.plan_sum(N, C, dtypes, x.device) if parts else None
     acc = config.acc_dtype(x.dtype)
@@ -520,13 +514,12 @@ def group_norm_bwd(dy, x, weight, mean, rstd, num_groups, bias_dtype):
     """-> (dx in x's layout, dweight, dbias), None where the forward had no weight / bias; dy in x's
     layout. Channels-last inputs take the one-program-per-row kernel (read in place)."""
     N, C, HW = x.shape
-    Cg = C // num_groups
     cl = channels_last(x)
-    split = None if cl else config.group_norm_split_backward(N * num_groups, Cg * HW, num_groups, x.dtype,
-                                                             x.device)  # fmt: skip
-    if split is not None:
+    how = config.group_norm_bwd_strategy(N, C, HW, num_groups, x.dtype, x.device, cl,
+                                         not cl and _smem_ok(x, num_groups, dy))  # fmt: skip
+    if how.kernel == "split":
         dtypes = (None if weight is None else weight.dtype, bias_dtype)
-        dx, _, dweight, dbias = _split_backward(split, x.shape, x.dtype, x.device, dtypes, num_groups)(
+        dx, _, dweight, dbias = _split_backward(how.split, x.shape, x.dtype, x.device, dtypes, num_groups)(
             dy, None, x, weight, mean, rstd)
         return dx, dweight, dbias
     dx = torch.empty_like(x)
@@ -536,8 +529,7 @@ def group_norm_bwd(dy, x, weight, mean, rstd, num_groups, bias_dtype):
     part_buf, (dw_part, db_part) = reduce.targets(grad_dtypes, N, C, acc, x.device)
     args = (x, dy, dx, weight if has_w else x, mean, rstd, mean if dw_part is None else dw_part,
             mean if db_part is None else db_part)  # fmt: skip
-    in_smem = None if cl else _bwd_smem_config(x, num_groups, dy)
-    kernel, grid, meta, tail = _bwd_launch(x.shape, num_groups, x.dtype, has_w, has_db, in_smem, cl)
+    kernel, grid, meta, tail = _bwd_launch(how, x.shape, num_groups, x.dtype, has_w, has_db, cl)
     launch(kernel, grid, *args, *tail, **meta)
     if part_buf is None:
         return dx, None, None
@@ -545,16 +537,14 @@ def group_norm_bwd(dy, x, weight, mean, rstd, num_groups, bias_dtype):
     return dx, dweight, dbias
 
 
-def _bwd_smem_config(x, G, dy=None):
-    """The shared-memory backward's launch for x (N, C, HW) and dy contiguous, or None:
-    ``config.group_norm_smem_backward``'s, where x's and dy's rows are 16-byte aligned and dy has x's
-    dtype (its buffers are sized for it). ``dy`` None: a plan's, which comes so."""
+def _smem_ok(x, G, dy=None) -> bool:
+    """Whether the shared-memory backward may take x (N, C, HW) and dy, contiguous: x's and dy's rows
+    16-byte aligned and dy in x's dtype (its buffers are sized for it). ``dy`` None: a plan's, which
+    comes so. Whether it does is ``config.group_norm_bwd_strategy``'s choice."""
     N, C, HW = x.shape
     L = C // G * HW
     dy_ok = dy is None or (dy.dtype == x.dtype and dy.data_ptr() % 16 == 0)
-    if dy_ok and smem.fits(L, L, x.data_ptr()):
-        return config.group_norm_smem_backward(N * G, C // G, HW, x.dtype, x.device)
-    return None
+    return dy_ok and smem.fits(L, L, x.data_ptr())
 
 
 def _bwd_smem_meta(cfg, Cg, has_w, has_db) -> dict:

@@ -823,15 +823,10 @@ def batch_norm_train_fwd(x, weight, bias, eps, momentum, running_mean, running_v
 
 
 def _train_config(x):
-    """The one-read training forward's launch for x (N, C, HW) contiguous: channels in parts held in
-    shared memory (``config.batch_norm_smem``, x 16-byte aligned), else split channels
-    (``config.batch_norm_split``), else None (the two-pass kernels serve)."""
+    """The one-read training forward's launch for x (N, C, HW) contiguous
+    (``config.batch_norm_channels``), or None (the two-pass kernels serve)."""
     N, C, HW = x.shape
-    if smem.fits(HW, HW, x.data_ptr()):
-        cfg = config.batch_norm_smem(N, C, HW, x.dtype, x.device)
-        if cfg is not None:
-            return cfg
-    return config.batch_norm_split(N, C, HW, x.dtype, x.device, False)
+    return config.batch_norm_channels(N, C, HW, x.dtype, x.device, False, smem.fits(HW, HW, x.data_ptr()))
 
 
 def _split_forward(cfg, shape, dtype, device, eps, has_w, has_b, has_rm, has_rv):
@@ -947,15 +942,11 @@ def batch_norm_bwd(dy, x, weight, mean, rstd, training, bias_dtype):
 
 
 def _bwd_config(x, dy_ptr):
-    """The one-read backward's launch for x (N, C, HW) and dy contiguous (dy at ``dy_ptr``):
-    channels in parts held in shared memory (``config.batch_norm_smem(..., True)``, x and dy 16-byte
-    aligned), else split channels (``config.batch_norm_split``), else None (sums, then dx)."""
+    """The one-read backward's launch for x (N, C, HW) and dy contiguous (dy at ``dy_ptr``)
+    (``config.batch_norm_channels``), or None (sums, then dx)."""
     N, C, HW = x.shape
-    if smem.fits(HW, HW, x.data_ptr()) and dy_ptr % 16 == 0:
-        cfg = config.batch_norm_smem(N, C, HW, x.dtype, x.device, True)
-        if cfg is not None:
-            return cfg
-    return config.batch_norm_split(N, C, HW, x.dtype, x.device, True)
+    aligned = smem.fits(HW, HW, x.data_ptr()) and dy_ptr % 16 == 0
+    return config.batch_norm_channels(N, C, HW, x.dtype, x.device, True, aligned)
 
 
 def _split_backward(cfg, shape, dtype, device, dtypes, training):

@@ -1088,3 +1088,14 @@ def reduce(G: int, N: int, device: torch.device) -> LaunchConfig:
     per_sm = triton.next_power_of_2(triton.cdiv(N, sm_count(device)))
     block = max(REDUCE_MIN_BLOCK, min(REDUCE_MAX_BLOCK, per_sm))
     return LaunchConfig(block, 4, REDUCE_ROWS, (triton.cdiv(N, block),), False)
+
+
+@_memoized
+def batch_norm_channels(N: int, C: int, HW: int, dtype: torch.dtype, device: torch.device, backward: bool,
+                        aligned: bool) -> LaunchConfig | None:  # fmt: skip
+    """How BatchNorm's training forward (or ``backward``) reads each channel once, or None where the
+    two-pass kernels serve (sums, then apply / dx): channels in parts held in shared memory
+    (:func:`batch_norm_smem`; the caller found x, and dy, 16-byte aligned: ``aligned``), else split
+    channels (:func:`batch_norm_split`)."""
+    parted = batch_norm_smem(N, C, HW, dtype, device, backward) if aligned else None
+    return parted or batch_norm_split(N, C, HW, dtype, device, backward)

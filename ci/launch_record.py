@@ -6,8 +6,9 @@ grid, and every kernel parameter: tensors by role, shape, stride and dtype; numb
 by value). The calls run under FakeTensorMode (CUDA tensors without memory), with the launch
 functions replaced by recorders and the device described as an H100 (132 SMs, 227 KB of shared
 memory a program, Gluon and the rows-in-parts kernels available; pass ``--in-parts`` to record with
-``config.IN_PARTS`` on as well). What it cannot see: values written into workspaces (zeroed
-counters) and anything that happens on the GPU.
+rows in parts forced on as well, ``config.forced(in_parts=True)``). A call that raises is recorded
+with its error (an older revision's GroupNorm plan, called with a 4-D input, raises). What it
+cannot see: values written into workspaces (zeroed counters) and anything that happens on the GPU.
 
   python ci/launch_record.py --out new.txt           record this tree's launches
   python ci/launch_record.py --against REV            also REV's (installed into a temporary
@@ -83,11 +84,15 @@ class Recorder:
         plan's forward on ``args`` and its backward on ``backward_args(forward's result)``."""
         if plan is None:
             self.lines.append("(no plan)")
-        elif not grad:
-            self.out(plan(*args))
         else:
-            forward, backward = plan
-            self.out(backward(*backward_args(self.out(forward(*args)))))
+            try:
+                if not grad:
+                    self.out(plan(*args))
+                else:
+                    forward, backward = plan
+                    self.out(backward(*backward_args(self.out(forward(*args)))))
+            except Exception as e:  # recorded: the other revision may run it
+                self.lines.append(f"raised {type(e).__name__}: {e}")
 
     def record(self, fn, grid, args, meta, suffix="") -> None:
         inner = getattr(fn, "fn", fn)
@@ -287,7 +292,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="write the launch lines here (default: stdout, unless --against)")
     parser.add_argument("--against", metavar="REV", help="compare with this git revision's launches")
-    parser.add_argument("--in-parts", action="store_true", help="record with config.IN_PARTS on")
+    parser.add_argument("--in-parts", action="store_true", help="record with rows in parts forced on")
     args = parser.parse_args(argv)
     lines = record(args.in_parts)
     if args.out:

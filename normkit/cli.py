@@ -206,7 +206,7 @@ def cmd_info(args) -> int:
         print(f"  {device_type:9s} -> {module}")
         try:
             left = dispatch.falls_back(importlib.import_module(module))
-        except ImportError:  # its Triton is not installed: said above
+        except Exception:  # its Triton is not installed, or breaks on import: said above / by a call
             continue
         for fn, why in left.items():
             print(f"              {fn}: from normkit.reference ({why})")

@@ -40,7 +40,8 @@ _REGISTRY: Mapping[str, str] = {
 }
 
 # Per-context overrides, used by the test suite and `normkit check --interpret` to run a Triton
-# backend's kernels on CPU tensors (interpreter) or the NPU kernels on a CUDA GPU.
+# backend's kernels on CPU tensors (interpreter) or the NPU kernels on a CUDA GPU, and to force a
+# backend's launch strategies (use_strategy).
 _OVERRIDES: contextvars.ContextVar[Mapping[str, object]] = contextvars.ContextVar(
     "normkit_backend_overrides", default=MappingProxyType({})
 )

@@ -199,7 +199,8 @@ def _shape_key(normalized_shape):
 
 
 def _overrides_key() -> tuple:
-    """The backend overrides in effect (dispatch.use_backend), as part of a memo key."""
+    """The backend and strategy overrides in effect (dispatch.use_backend / use_strategy), as part of
+    a memo key."""
     overrides = dispatch.overrides()
     return tuple(overrides.items()) if overrides else ()
 

@@ -30,7 +30,8 @@ _NONE = (0,)  # shape of the empty tensor that stands for "no such output"
 
 def _backend(x: Tensor, fn: str):
     """The module whose contract function ``fn`` serves x: its device's backend, or the reference
-    where x is empty or the backend leaves ``fn`` to it (``dispatch.falls_back``)."""
+    where x is empty or the backend does not define ``fn`` (which it names in FALLS_BACK,
+    ``dispatch.falls_back``; tests/test_api.py checks every registered backend)."""
     if x.numel() == 0:
         return reference
     backend = dispatch.backend_for(x.device)

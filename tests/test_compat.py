@@ -187,6 +187,10 @@ def test_forced_strategies_hold_in_their_block_and_context_only():
             assert not config.batch_norm_split(2, 16, 1024, bf16, cpu, False).prefetch
         with config.forced(batch_norm_split=False):
             assert config.batch_norm_split(2, 16, 1024, bf16, cpu, False) is None
+            assert config.batch_norm_channels(2, 16, 1024, bf16, cpu, False, True) is None
+        with config.forced(batch_norm_split=True):
+            assert config.batch_norm_channels(2, 16, 1024, bf16, cpu, True, True) == \
+                config.batch_norm_split(2, 16, 1024, bf16, cpu, True) is not None  # fmt: skip
     assert config.force() == config.NOT_FORCED
     assert config.forward(16, 4096, bf16, cpu) == measured
     assert config.batch_norm_split(2, 16, 1024, bf16, cpu, False) == split

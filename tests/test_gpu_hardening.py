@@ -436,16 +436,18 @@ def test_batch_norm_split_and_two_pass_match_reference(run_on, mode, dtype):
     an odd HW (runs of 1 value) with more channels than channel groups, and 25-49 chunks a channel."""
     from normkit.backends.cuda import config
 
+    # split channels, not channels in parts (which aligned 16-bit shapes of one part would take)
     force = config.forced(batch_norm_split=False) if mode == "two-pass" else \
-        config.forced(batch_norm_pipelined=mode == "split-pipelined")  # fmt: skip
+        config.forced(batch_norm_split=True, batch_norm_pipelined=mode == "split-pipelined")  # fmt: skip
     with force, _on_gpu(run_on, "cuda", dtype):  # skips without a CUDA GPU
         for i, shape in enumerate(BATCH_NORM_SPLIT_SHAPES):
             N, C = shape[:2]
-            for backward in (False, True):
-                cfg = config.batch_norm_split(N, C, math.prod(shape[2:]), dtype, torch.device("cuda"),
-                                              backward)  # fmt: skip
+            for backward in (False, True):  # the chooser the op uses (inputs come 16-byte aligned)
+                cfg = config.batch_norm_channels(N, C, math.prod(shape[2:]), dtype, torch.device("cuda"),
+                                                 backward, True)  # fmt: skip
                 assert (cfg is None) is (mode == "two-pass"), (shape, backward, cfg)
                 if cfg is not None:
+                    assert not cfg.smem, (shape, backward, cfg)
                     assert cfg.prefetch is (mode == "split-pipelined"), (shape, backward, cfg)
             check_batch_norm_case(shape, dtype, "cuda", seed=i, mean=3.0)
 

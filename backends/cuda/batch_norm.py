@@ -1003,8 +1003,8 @@ def plan_batch_norm(x, weight, bias, running_mean, running_var, eps, training, g
     """A plan for BatchNorm calls shaped like this one (contract extension, docs/design.md), for
     contiguous inputs of x's (N, C, HW) elements with the parameters and running statistics of the
     same presence, dtypes and alignment; the compiled kernels are called directly (launch.Bound).
-    None off the GPU, in eval mode with gradients wanted, and in training where channels do not
-    split (``config.batch_norm_split``: the two-pass kernels serve).
+    None off the GPU, in eval mode with gradients wanted, and in training where channels are read
+    twice (``config.batch_norm_channels`` None: the two-pass kernels serve).
 
     Inference (no gradient wanted): ``run(input, weight, bias, running_mean, running_var,
     momentum)`` -> y in input's shape; in training the running statistics are updated in place (as

@@ -188,7 +188,8 @@ class Force:
     in_parts: bool | None = None  # rows (BatchNorm: channels) in more than one part (IN_PARTS)
     fused_max_n_fwd: int | None = None  # the longest row the fused forwards hold (FUSED_MAX_N_FWD)
     split_prefetch: bool | None = None  # split-row forwards hold their chunk, prefetch the next (SPLIT_FWD)
-    batch_norm_split: bool | None = None  # False: BatchNorm's two-pass kernels, never split channels
+    batch_norm_split: bool | None = None  # BatchNorm training: False the two-pass kernels, True split
+    # channels where they fit (not channels in parts; batch_norm_channels)
     batch_norm_pipelined: bool | None = None  # split channels publish the next before the wait
     group_norm_smem_backward: bool | None = None  # True: wherever it fits (GROUP_NORM_SMEM_* lifted)
 
@@ -205,8 +206,9 @@ def force() -> Force:
 def forced(**strategies) -> Iterator[Force]:
     """Force :class:`Force`'s ``strategies`` (by field name) for the calls of this block, on top of an
     enclosing block's; e.g. ``with config.forced(in_parts=True): normkit.softmax(x, -1)``. Per
-    context (a thread, the autograd engine's backward of a forward made inside): the memoized
-    choices, launch keys and plans are keyed by it, so nothing needs clearing."""
+    context: this thread, and the eager backward of a forward made inside (it runs under the
+    forward's overrides, ops._bwd); not another thread, nor the backward of a torch.compile'd graph.
+    The memoized choices, launch keys and plans are keyed by it, so nothing needs clearing."""
     value = replace(force(), **strategies)
     with dispatch.use_strategy(BACKEND, value):
         yield value
@@ -502,8 +504,8 @@ IN_PARTS = False
 
 
 def _parts_refused(K: int) -> bool:
-    """More than one part a row, where IN_PARTS is off or the installed Triton gets them wrong
-    (compat.in_parts_ok)."""
+    """More than one part a row, where IN_PARTS is off (and not forced on) or the installed Triton
+    gets them wrong (compat.in_parts_ok)."""
     return K > 1 and (not _or(force().in_parts, IN_PARTS) or compat.in_parts_ok() is not None)
 
 
@@ -861,8 +863,8 @@ def group_norm_smem_backward(rows: int, Cg: int, HW: int, dtype: torch.dtype, de
     shared memory). The caller checks the alignment of x and dy (smem.fits). The persistent grid is
     cut so that every program takes as many rows (the last row step is not left to a few SMs)."""
     opened = force().group_norm_smem_backward  # True: 32 channels, no minimum rows or row length
-    max_cg, min_l, min_rows = (32, 0, 0) if opened else (GROUP_NORM_SMEM_MAX_CG, GROUP_NORM_SMEM_MIN_L,
-                                                         GROUP_NORM_SMEM_MIN_ROWS)  # fmt: skip
+    max_cg, min_l, min_rows = (max(32, GROUP_NORM_SMEM_MAX_CG), 0, 0) if opened else (
+        GROUP_NORM_SMEM_MAX_CG, GROUP_NORM_SMEM_MIN_L, GROUP_NORM_SMEM_MIN_ROWS)
     if HW % 8 or Cg > max_cg or Cg * HW < min_l or opened is False:
         return None
     if device.type != "cuda" or rows < min_rows * sm_count(device):
@@ -1007,8 +1009,8 @@ def batch_norm_split(N: int, C: int, HW: int, dtype: torch.dtype, device: torch.
                      ) -> LaunchConfig | None:  # fmt: skip
     """Split-channel launch (``split_row`` over C rows of N * HW values, with ``BATCH_NORM_SPLIT``),
     or None where the two-pass kernels serve: HW < BATCH_NORM_SPLIT_MIN_HW, channels of 2^31 values
-    or more, or more chunks per channel than programs that fit at once (CPU tensors: the
-    interpreter's programs run solo, coop.join)."""
+    or more, more chunks per channel than programs that fit at once (CPU tensors: the
+    interpreter's programs run solo, coop.join), or forced off (``Force.batch_norm_split``)."""
     L, forced_now = N * HW, force()
     if HW < BATCH_NORM_SPLIT_MIN_HW or not 0 < L < 2**31 - 2**20 or forced_now.batch_norm_split is False:
         return None
@@ -1096,6 +1098,10 @@ def batch_norm_channels(N: int, C: int, HW: int, dtype: torch.dtype, device: tor
     """How BatchNorm's training forward (or ``backward``) reads each channel once, or None where the
     two-pass kernels serve (sums, then apply / dx): channels in parts held in shared memory
     (:func:`batch_norm_smem`; the caller found x, and dy, 16-byte aligned: ``aligned``), else split
-    channels (:func:`batch_norm_split`)."""
-    parted = batch_norm_smem(N, C, HW, dtype, device, backward) if aligned else None
+    channels (:func:`batch_norm_split`). Forced (``Force.batch_norm_split``): False the two-pass
+    kernels, True split channels only."""
+    forced_split = force().batch_norm_split
+    if forced_split is False:
+        return None
+    parted = batch_norm_smem(N, C, HW, dtype, device, backward) if aligned and forced_split is None else None
     return parted or batch_norm_split(N, C, HW, dtype, device, backward)

@@ -13,7 +13,7 @@ buffer, also the first chunk of the row after it) are therefore in flight throug
 statistics and output, with no barrier between programs and no re-read from L2
 (docs/tuning-log.md T34-T37). The row-norm backward streams x and dy the same way, as a pair
 (:func:`open_pair`: one copy group a chunk of both), and keeps its dweight / dbias partials in
-registers (T48). Rows longer than that can be shared by K programs (``config.IN_PARTS``, off:
+registers (T48). Rows longer than that can be shared by K programs (``config.IN_PARTS``, off unless forced:
 they wait on each other unbounded, coop.py; T51), one part
 each, that exchange their parts' row terms as tagged words (:func:`publish`, :func:`collect`;
 :func:`open_parts` streams a part several rows deep; T52-T58).

@@ -4,7 +4,7 @@ Fused: whole rows in registers, ROWS rows per program (max, exp, sum in one read
 memory (16-bit rows that fit one SM's shared memory; smem.py): one program per SM streams rows
 through shared-memory buffers, one read of x, each thread keeping its own running max and sum.
 Rows in parts (16-bit rows longer than that, fp32 rows past the fused limit; with more than one part
-only where ``config.IN_PARTS``): K programs a row, each streaming its part through shared memory and
+only where ``config.IN_PARTS`` or forced): K programs a row, each streaming its part through shared memory and
 exchanging the part's (max, sum) as tagged words. Split rows: a row's chunks on K programs that
 exchange partial max / sum, or run solo where their row group did not fill (coop.py). Looped: one program per
 row sweeps column tiles twice: an online max/sum (rescaling the running sum when the max grows),

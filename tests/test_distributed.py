@@ -13,6 +13,8 @@ Scenarios (normkit model vs the same model on torch.nn norms, same init and data
           colwise / rowwise linears; also against the unsharded torch model
   ops     every public op on DTensors: placements kept, values and gradients vs torch on the full
           tensors, collectives counted with CommDebugMode (zero in forward and backward)
+  higher  double backward (a gradient penalty, create_graph) of each op family on sharded DTensors,
+          and channels_last / channels_last_3d GroupNorm and BatchNorm shards keeping their layout
   compile torch.compile(fullgraph=True) of an op on a sequence-sharded DTensor
   errors  sharding along a normalized dim, Partial inputs, plain weights with DTensor inputs
   docs    (cpu only) the FSDP2 + TP example of docs/distributed.md runs under torchrun
@@ -355,6 +357,112 @@ def scenario_ops(device, rank):
     return results
 
 
+def _double_backward_cases():
+    """(name, normkit fn, torch fn, global input shape, placement, parameter shapes): ops whose
+    gradient is differentiated again (a gradient penalty on a sharded activation)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    F = torch.nn.functional
+    return [
+        ("layer_norm-seq", lambda x, w, b: normkit.layer_norm(x, (16,), w, b),
+         lambda x, w, b: F.layer_norm(x, (16,), w, b), (2, 6, 16), Shard(1), ((16,), (16,))),
+        ("rms_norm-seq", lambda x, w: normkit.rms_norm(x, (16,), w, 1e-6),
+         lambda x, w: F.rms_norm(x, (16,), w, 1e-6), (2, 6, 16), Shard(1), ((16,),)),
+        ("add_rms_norm-seq", lambda x, r, w: normkit.add_rms_norm(x, r, (16,), w, 1e-6),
+         lambda x, r, w: F.rms_norm(x + r, (16,), w, 1e-6), (2, 6, 16), Shard(1), ((16,),)),
+        ("softmax-heads", lambda x: normkit.softmax(x, -1), lambda x: F.softmax(x, -1), (2, 4, 6, 6),
+         Shard(1), ()),
+        ("group_norm-batch", lambda x, w, b: normkit.group_norm(x, 2, w, b),
+         lambda x, w, b: F.group_norm(x, 2, w, b), (4, 8, 5), Shard(0), ((8,), (8,))),
+        ("batch_norm-replicate", lambda x, w, b: normkit.batch_norm(x, None, None, w, b, True),
+         lambda x, w, b: F.batch_norm(x, None, None, w, b, True), (4, 8, 5), Replicate(), ((8,), (8,))),
+    ]  # fmt: skip
+
+
+def _penalty(fn, acts, params, dy, full):
+    """A gradient penalty: g = d<fn(acts, params), dy>/d acts[0] (create_graph), loss = sum(g^2) +
+    <fn(...), dy>; its gradients need the op's double backward. ``full`` makes a scalar plain."""
+    y = fn(*acts, *params)
+    (g,) = torch.autograd.grad(y, acts[0], dy, create_graph=True)
+    loss = full((g * g).sum()) + full((y * dy).sum())
+    loss.backward()
+    return g
+
+
+def scenario_higher(device, rank):
+    """Issue 41's drop-in behaviour on DTensors: double backward (create_graph) of every op family,
+    and channels_last GroupNorm / BatchNorm inputs, against torch on the full tensors."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh_1d(device)
+    F = torch.nn.functional
+    results = {}
+    for name, nk_fn, torch_fn, shape, placement, param_shapes in _double_backward_cases():
+        torch.manual_seed(3)
+        n_act = 2 if name.startswith("add_") else 1
+        acts = [torch.randn(shape, device=device, dtype=torch.float64) for _ in range(n_act)]
+        params = [1 + 0.5 * torch.randn(s, device=device, dtype=torch.float64) for s in param_shapes]
+        dy = torch.randn(shape, device=device, dtype=torch.float64)
+        d_acts = [distribute_tensor(a, mesh, [placement]).requires_grad_() for a in acts]
+        d_params = [nn.Parameter(distribute_tensor(p, mesh, [Replicate()])) for p in params]
+        g = _penalty(nk_fn, d_acts, d_params, distribute_tensor(dy, mesh, [placement]), _full)
+        ref_in = [t.clone().requires_grad_() for t in acts + params]
+        ref_g = _penalty(torch_fn, ref_in[:n_act], ref_in[n_act:], dy, lambda t: t)
+        results[name] = dict(
+            g_is_dtensor=isinstance(g, DTensor), g_placements=str(tuple(g.placements)),
+            expected_placements=str((placement,)),
+            g_err=float((g.full_tensor() - ref_g).abs().max().detach()),
+            grads_missing=[i for i, t in enumerate(d_acts + d_params) if t.grad is None],
+            grad_errs=[float((_full(t.grad) - r.grad).abs().max() / r.grad.abs().max().clamp_min(1e-12))
+                       for t, r in zip(d_acts + d_params, ref_in) if t.grad is not None])  # fmt: skip
+    # channels_last (and channels_last_3d) inputs sharded along the batch: outputs keep the layout.
+    cl_cases = [
+        ("group_norm-cl", (4, 8, 5, 3), torch.channels_last, Shard(0),
+         lambda x, w, b: normkit.group_norm(x, 4, w, b), lambda x, w, b: F.group_norm(x, 4, w, b)),
+        ("group_norm-cl3d", (4, 8, 3, 2, 3), torch.channels_last_3d, Shard(0),
+         lambda x, w, b: normkit.group_norm(x, 2, w, b), lambda x, w, b: F.group_norm(x, 2, w, b)),
+        ("batch_norm-cl-eval", (4, 8, 5, 3), torch.channels_last, Shard(0),
+         lambda x, w, b: normkit.batch_norm(x, rm, rv, w, b, False),
+         lambda x, w, b: F.batch_norm(x, rm, rv, w, b, False)),
+        ("batch_norm-cl-train", (4, 8, 5, 3), torch.channels_last, Replicate(),
+         lambda x, w, b: normkit.batch_norm(x, None, None, w, b, True),
+         lambda x, w, b: F.batch_norm(x, None, None, w, b, True)),
+    ]  # fmt: skip
+    torch.manual_seed(4)
+    rm, rv = torch.randn(8, device=device), torch.rand(8, device=device) + 0.5
+    for name, shape, fmt, placement, nk_fn, torch_fn in cl_cases:
+        x = torch.randn(shape, device=device).contiguous(memory_format=fmt)
+        w, b = torch.randn(8, device=device), torch.randn(8, device=device)
+        dy = torch.randn(shape, device=device)
+        if placement.is_shard():
+            half = shape[0] // WORLD
+            local = x[rank * half:(rank + 1) * half].contiguous(memory_format=fmt)
+            dx = DTensor.from_local(local, mesh, [placement], run_check=False, shape=x.shape,
+                                    stride=x.stride())  # fmt: skip
+        else:
+            dx = DTensor.from_local(x.clone(memory_format=fmt), mesh, [placement], run_check=False)
+        dx = dx.detach().requires_grad_()
+        dw, db = (nn.Parameter(distribute_tensor(p, mesh, [Replicate()])) for p in (w, b))
+        y = nk_fn(dx, dw, db)
+        y.backward(distribute_tensor(dy.contiguous(memory_format=fmt), mesh, [placement]))
+        rx, rw, rb = (t.clone().requires_grad_() for t in (x, w, b))
+        ry = torch_fn(rx, rw, rb)
+        ry.backward(dy)
+        results[name] = dict(
+            local_keeps_layout=y.to_local().is_contiguous(memory_format=fmt),
+            global_keeps_layout=y.is_contiguous(memory_format=fmt), placements=str(tuple(y.placements)),
+            expected_placements=str((placement,)), y_err=float((y.full_tensor() - ry).abs().max().detach()),
+            grad_errs=[float((_full(t.grad) - r.grad).abs().max())
+                       for t, r in ((dx, rx), (dw, rw), (db, rb))])  # fmt: skip
+    return results
+
+
+def init_device_mesh_1d(device):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device, (WORLD,))
+
+
 def scenario_errors(device, rank):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -419,8 +527,9 @@ def scenario_compile(device, rank):
                 weight_grad_placements=str(tuple(dw.grad.placements)))  # fmt: skip
 
 
-SCENARIOS = {"ops": scenario_ops, "compile": scenario_compile, "errors": scenario_errors, "ddp": scenario_ddp,
-             "fsdp2": scenario_fsdp2, "tp": scenario_tp}  # fmt: skip
+SCENARIOS = {"ops": scenario_ops, "higher": scenario_higher, "compile": scenario_compile,
+             "errors": scenario_errors, "ddp": scenario_ddp, "fsdp2": scenario_fsdp2,
+             "tp": scenario_tp}  # fmt: skip
 
 
 def _worker(rank, device, port, out_dir):
@@ -493,6 +602,13 @@ def _summary(device, report) -> str:
             lines.append(f"op {name}: collectives fwd {r['fwd_collectives']} bwd {r['bwd_collectives']}, out "
                          f"{r['placements']}, max err y {r['y_err']:.1e} grads {max(r['grad_errs']):.1e}, "
                          f"grad placements {r['grad_placements']}")  # fmt: skip
+    for name, r in (report.get("higher", {}).get("result") or {}).items():
+        if "g_err" in r:
+            lines.append(f"double backward {name}: first grad {r['g_placements']} err {r['g_err']:.1e}, "
+                         f"penalty grads max rel err {max(r['grad_errs'], default=float('nan')):.1e}")
+        else:
+            lines.append(f"layout {name}: shard keeps it {r['local_keeps_layout']}, out {r['placements']}, "
+                         f"max err y {r['y_err']:.1e} grads {max(r['grad_errs']):.1e}")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -568,6 +684,31 @@ def test_dtensor_ops_run_locally(report):
             n_act = 2 if name.startswith("add_") else 1
             for g in r["grad_placements"][n_act:]:  # weight / bias: pending sums over the shards
                 assert g == ("(Partial(sum),)" if sharded else "(Replicate(),)"), (name, r)
+
+
+def test_dtensor_double_backward_matches_torch(report):
+    """create_graph through normkit ops on sharded DTensors: the first gradient stays a DTensor with
+    the input's placements, and the gradient penalty's gradients (which need the op's double
+    backward) match torch's on the full tensors, for every input and parameter (fp64)."""
+    for results in _result(report, "higher"):
+        cases = {n: r for n, r in results.items() if "g_err" in r}
+        assert len(cases) == len(_double_backward_cases()), sorted(cases)
+        for name, r in cases.items():
+            assert r["g_is_dtensor"] and r["g_placements"] == r["expected_placements"], (name, r)
+            assert r["grads_missing"] == [], (name, r)
+            assert r["g_err"] <= 1e-9 and max(r["grad_errs"]) <= 1e-9, (name, r)
+
+
+def test_dtensor_channels_last_kept(report):
+    """channels_last / channels_last_3d GroupNorm and BatchNorm on DTensors: each shard's output
+    (and the global view) keeps the layout; values and gradients as torch's on the full tensor."""
+    for results in _result(report, "higher"):
+        cases = {n: r for n, r in results.items() if "local_keeps_layout" in r}
+        assert len(cases) == 4, sorted(cases)
+        for name, r in cases.items():
+            assert r["local_keeps_layout"] and r["global_keeps_layout"], (name, r)
+            assert r["placements"] == r["expected_placements"], (name, r)
+            assert r["y_err"] <= OP_ATOL and max(r["grad_errs"]) <= OP_ATOL, (name, r)
 
 
 def test_dtensor_ops_compile_fullgraph(report):

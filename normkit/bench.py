@@ -661,8 +661,10 @@ def metadata(device, copy, args_summary) -> dict:
         triton_version = getattr(triton, "__version__", None) or _dist_version("triton-ascend", "triton")
     except ImportError:
         triton_version = None
+    # normkit_path: which install was measured (an A/B of two installs must show two)
     return dict(**device_info(device), torch=torch.__version__, triton=triton_version,
-                normkit=normkit.__version__, date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                normkit=normkit.__version__, normkit_path=str(Path(normkit.__file__).resolve().parent),
+                date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 copy_gbps=copy, command="normkit " + shlex.join(sys.argv[1:]), **args_summary)  # fmt: skip
 
 
@@ -857,7 +859,8 @@ def compare(sources, floor=0.98, spread_limit=0.03) -> tuple[str, int]:
     lines = []
     for i, (src, (parts, _)) in enumerate(zip(sources, runs)):
         p = parts[0] if parts else {}
-        lines.append(f"run {i + 1}: {src} ({p.get('gpu')}, triton {p.get('triton')}, {p.get('date')})")
+        where = f", normkit from {p['normkit_path']}" if p.get("normkit_path") else ""
+        lines.append(f"run {i + 1}: {src} ({p.get('gpu')}, triton {p.get('triton')}, {p.get('date')}{where})")
     lines.append(f"{len(keys)} cells in every run; GB/s per run, last / first, spread = max / min - 1")
     ratios, low, wide, bad, wrong = {"fwd": [], "bwd": []}, [], [], [], 0
     for key in keys:

@@ -280,6 +280,8 @@ or re-run one command until it has done everything (results are saved after each
 An A/B of two installs, or the spread of three runs of one, on one machine:
   normkit bench --suite sweep --out old ... normkit bench --suite sweep --out new
   normkit bench --compare old,new
+(each run records which normkit it imported, and --compare prints it: run both outside a source
+checkout, whose normkit/ would shadow an install on PYTHONPATH)
 """
 
 

@@ -10,6 +10,7 @@ import math
 import statistics
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -258,7 +259,8 @@ def test_merge_of_a_wrong_result_exits_1(tmp_path):
 
 def _runs(tmp_path, slow_ms, statuses=("ok", "ok", "ok")):
     """Three results of two cases (normkit and torch each): run 3's normkit rms_norm 1024 takes
-    ``slow_ms`` forward (1.0 in the others) and, in each run, the forward status given."""
+    ``slow_ms`` forward (1.0 in the others) and, in each run, the forward status given. Run i was
+    measured with the normkit installed at /site{i}."""
     case, other = (bench.Case("sweep", "rms_norm", "bfloat16", ((1 << 27) // n, n)) for n in (1024, 4096))
     dirs = []
     for i, status in enumerate(statuses):
@@ -267,7 +269,8 @@ def _runs(tmp_path, slow_ms, statuses=("ok", "ok", "ok")):
                 bench.make_row(other, "normkit", 3000.0, ("ok", 1.0), ("ok", 2.0))]  # fmt: skip
         rows += [bench.make_row(c, "torch", 3000.0, ("ok", 3.0), ("ok", 6.0)) for c in (case, other)]
         (tmp_path / f"r{i}").mkdir()
-        bench.write_json(tmp_path / f"r{i}" / "results.json", [meta(3000.0)], rows)
+        bench.write_json(tmp_path / f"r{i}" / "results.json", [dict(meta(3000.0), normkit_path=f"/site{i}")],
+                         rows)  # fmt: skip
         dirs.append(str(tmp_path / f"r{i}"))
     return dirs, case
 
@@ -278,6 +281,9 @@ def test_compare_reports_ratio_and_spread(tmp_path, capsys):
     out = capsys.readouterr().out
     gbps = case.bytes()[0] / 1.0 / 1e6  # the forward's GB/s at 1.0 ms
     assert "4 cells in every run" in out
+    for i in range(3):  # which install each run measured
+        assert f"run {i + 1}: {dirs[i]} (NVIDIA H100 80GB HBM3, triton 3.6.0, 2026-01-01T00:00:00+00:00, " \
+               f"normkit from /site{i})" in out
     line = next(x for x in out.splitlines() if x.startswith("rms_norm bfloat16 131072x1024 normkit"))
     assert f"fwd {bench._num(gbps)} {bench._num(gbps)} {bench._num(gbps / 1.25)} x0.800 ~25.0%" in line
     assert "bwd" in line and "x1.000 ~0.0%" in line
@@ -822,3 +828,14 @@ def test_gc_paused_restores_the_collector_after_an_error():
         assert not gc.isenabled()  # a collector paused by the caller stays paused
     finally:
         gc.enable()
+
+
+def test_metadata_names_the_install_measured(monkeypatch):
+    """Each run records which normkit it imported, so an A/B shows two installs (an install on
+    PYTHONPATH is shadowed by a normkit/ in the working directory)."""
+    import normkit
+
+    monkeypatch.setattr(bench, "device_info", lambda device: dict(device="cpu", gpu="test"))
+    part = bench.metadata("cpu", 1.0, {})
+    assert part["normkit_path"] == str(Path(normkit.__file__).resolve().parent)
+    assert part["normkit"] == normkit.__version__

@@ -38,5 +38,6 @@ for run in new new2 new3; do
 done
 python3 -m normkit bench --compare "$OUT/old,$OUT/new" > "$OUT/ab.txt" 2>&1
 python3 -m normkit bench --compare "$OUT/new,$OUT/new2,$OUT/new3" > "$OUT/spread.txt" 2>&1
+rm -rf "$OUT"/*/plots  # the device tool brings back a limited number of files: results.json first
 grep -A3 "^fwd: last" "$OUT/ab.txt"; grep -E "^(below|spread over)" "$OUT/spread.txt"
 echo "gpu A/B: $(( $(date +%s) - start )) s"

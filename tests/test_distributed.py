@@ -359,24 +359,16 @@ def scenario_ops(device, rank):
 
 def _double_backward_cases():
     """(name, normkit fn, torch fn, global input shape, placement, parameter shapes): ops whose
-    gradient is differentiated again (a gradient penalty on a sharded activation)."""
-    from torch.distributed.tensor import Replicate, Shard
+    gradient is differentiated again (a gradient penalty on a sharded activation): five of
+    :func:`_op_cases` and add_rms_norm."""
+    from torch.distributed.tensor import Shard
 
     F = torch.nn.functional
-    return [
-        ("layer_norm-seq", lambda x, w, b: normkit.layer_norm(x, (16,), w, b),
-         lambda x, w, b: F.layer_norm(x, (16,), w, b), (2, 6, 16), Shard(1), ((16,), (16,))),
-        ("rms_norm-seq", lambda x, w: normkit.rms_norm(x, (16,), w, 1e-6),
-         lambda x, w: F.rms_norm(x, (16,), w, 1e-6), (2, 6, 16), Shard(1), ((16,),)),
-        ("add_rms_norm-seq", lambda x, r, w: normkit.add_rms_norm(x, r, (16,), w, 1e-6),
-         lambda x, r, w: F.rms_norm(x + r, (16,), w, 1e-6), (2, 6, 16), Shard(1), ((16,),)),
-        ("softmax-heads", lambda x: normkit.softmax(x, -1), lambda x: F.softmax(x, -1), (2, 4, 6, 6),
-         Shard(1), ()),
-        ("group_norm-batch", lambda x, w, b: normkit.group_norm(x, 2, w, b),
-         lambda x, w, b: F.group_norm(x, 2, w, b), (4, 8, 5), Shard(0), ((8,), (8,))),
-        ("batch_norm-replicate", lambda x, w, b: normkit.batch_norm(x, None, None, w, b, True),
-         lambda x, w, b: F.batch_norm(x, None, None, w, b, True), (4, 8, 5), Replicate(), ((8,), (8,))),
-    ]  # fmt: skip
+    names = ("layer_norm-seq", "rms_norm-seq", "softmax-heads", "group_norm-batch", "batch_norm-replicate")
+    cases = [c for c in _op_cases(None) if c[0] in names]
+    cases.insert(2, ("add_rms_norm-seq", lambda x, r, w: normkit.add_rms_norm(x, r, (16,), w, 1e-6),
+                     lambda x, r, w: F.rms_norm(x + r, (16,), w, 1e-6), (2, 6, 16), Shard(1), ((16,),)))
+    return cases
 
 
 def _penalty(fn, acts, params, dy, full):
@@ -392,9 +384,10 @@ def _penalty(fn, acts, params, dy, full):
 def scenario_higher(device, rank):
     """Issue 41's drop-in behaviour on DTensors: double backward (create_graph) of every op family,
     and channels_last GroupNorm / BatchNorm inputs, against torch on the full tensors."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-    mesh = init_device_mesh_1d(device)
+    mesh = init_device_mesh(device, (WORLD,))
     F = torch.nn.functional
     results = {}
     for name, nk_fn, torch_fn, shape, placement, param_shapes in _double_backward_cases():
@@ -455,12 +448,6 @@ def scenario_higher(device, rank):
             grad_errs=[float((_full(t.grad) - r.grad).abs().max())
                        for t, r in ((dx, rx), (dw, rw), (db, rb))])  # fmt: skip
     return results
-
-
-def init_device_mesh_1d(device):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh(device, (WORLD,))
 
 
 def scenario_errors(device, rank):

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import normkit
-from normkit import functional
+from normkit import plans
 
 SLEEP = 60_000_000
 
@@ -57,9 +57,9 @@ def main(M=16, N=4096, dt=torch.bfloat16):
         "softmax (x)": (F.softmax(x, -1), normkit.softmax(x, -1), (x,)),
     }
     yf = Floor.apply(x, w, b)
-    plan = normkit.layer_norm(x, (N,), w, b).grad_fn.plan  # the training plan (ops.RowNormTraining)
+    plan = normkit.layer_norm(x, (N,), w, b).grad_fn.plan  # the training plan (plans.Training)
     _, _, mean, rstd = plan.forward(xd, None, wd, bd)
-    assert any(p is plan for p in functional._PLANS.values())
+    assert any(p is plan for p in plans._PLANS.values())
 
     def grad_of(y, inputs):
         return lambda: torch.autograd.grad(y, inputs, dy, retain_graph=True)

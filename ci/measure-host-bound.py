@@ -123,7 +123,7 @@ def breakdown():
         ("normkit.layer_norm, grad enabled", lambda: normkit.layer_norm(x, (N,), w, b, 1e-5)),
         ("normkit.layer_norm, no_grad", no_grad(lambda: normkit.layer_norm(x, (N,), w, b, 1e-5))),
         ("torch F.layer_norm, grad enabled", lambda: F.layer_norm(x, (N,), w, b, 1e-5)),
-        ("ops.layer_norm_fwd.raw (no autograd)", lambda: ops.layer_norm_fwd.raw(xd, wd, bd, 1e-5)),
+        ("custom op layer_norm_fwd (no autograd)", lambda: ops.layer_norm_fwd(xd, wd, bd, 1e-5)),
         ("cuda _forward launcher", lambda: ln._forward(xd, wd, bd, 1e-5, False)),
         ("one forward kernel launch, fn[grid]",
          lambda: ln._fwd_fused_kernel[cfg.grid](*launch_args, **launch_kw)),
@@ -135,7 +135,7 @@ def breakdown():
         ("autograd.grad normkit", lambda: torch.autograd.grad(y, (x, w, b), dy, retain_graph=True)),
         ("autograd.grad torch", lambda: torch.autograd.grad(yt, (x, w, b), dy, retain_graph=True)),
         ("autograd.grad identity Function", lambda: torch.autograd.grad(ident, (x,), dy, retain_graph=True)),
-        ("ops.layer_norm_bwd.raw", lambda: ops.layer_norm_bwd.raw(dy, xd, wd, mean, rstd, dt)),
+        ("custom op layer_norm_bwd", lambda: ops.layer_norm_bwd(dy, xd, wd, mean, rstd, dt)),
         ("cuda _backward launcher", lambda: ln._backward(dy, xd, wd, mean, rstd, dt, False)),
         ("sum_partials, dw + db (one launch)", lambda: sum_partials(parts, (dt, dt))),
     ]

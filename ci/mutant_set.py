@@ -48,6 +48,14 @@ MUTANTS = [
            "    y, h = _shaped(y, x), _shaped(h, x)\n    return (y, h) if prenorm else y",
            "    y, h = _shaped(y, x), _shaped(h, x)\n    return (y, y) if prenorm else y",
            (ADD, *_k("test_matches_reference", CUDA_I)), what="prenorm=True returns y for h"),
+    Mutant("plans-contract-backward-loses-overrides", "normkit/plans.py", "_Restored.restored",
+           "if self.overrides is dispatch.overrides():", "if True:",
+           ("tests/test_api.py", "-k", "contract_plan_backward"),
+           what="a contract plan's backward runs under the backward thread's overrides, not the forward's"),
+    Mutant("plans-contract-plans-not-remembered", "normkit/plans.py", "make",
+           "        _PLANS[key] = plan\n", "        _PLANS[key] = None if is_contract(plan) else plan\n",
+           ("tests/test_api.py", "-k", "remembered_contract_plans"),
+           what="contract plans are made again for every call: repeated calls run the checks again"),
     # --- the CPU path (torch's operators) -------------------------------------------------------------
     Mutant("cpu-add-norm-drops-residual", "normkit/cpu.py", "add_norm",
            "h = x + residual  # the common call's h", "h = x + 0 * residual  # the common call's h",
@@ -244,7 +252,7 @@ MUTANTS = [
                 "float32"), device="cuda",
            what="call-site launch keys hold a tensor's dtype, not its 16-byte alignment"),
     # (1, 40999) then (3, 40999): the second call's training plan is the first's (grid, M of 1 row).
-    Mutant("cuda-plan-key-row-length-only", "normkit/functional.py", "_plan_key",
+    Mutant("cuda-plan-key-row-length-only", "normkit/plans.py", "key",
            "return (op, input.shape, input.dtype", "return (op, input.shape[-1:], input.dtype",
            _gpu(LN, "test_matches_reference", "40999", "float32", "not rms_norm", "not npu"), device="cuda",
            what="plans keyed by the row length: a plan made for M rows serves inputs of other M"),

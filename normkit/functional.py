@@ -1,10 +1,12 @@
-"""torch.nn.functional-compatible entry points: validate, flatten to rows, dispatch, autograd.
+"""torch.nn.functional-compatible entry points: check the call, then run its plan.
 
-Each op flattens its input to a 2-D row view ``(M, N)`` (N = product of ``normalized_shape``),
-picks the backend for the input's device (:mod:`normkit.dispatch`), and runs one device-agnostic
-``torch.autograd.Function`` that calls that backend's contract. Backward uses the backend chosen in
-forward and recomputes its own launch settings. A repeated call signature may instead run from a
-plan the backend made for it (``_PLANS`` below): direct launches, no checks or dispatch.
+Each op first looks up the plan remembered for its call's signature (:func:`normkit.plans.key`): a
+repeated call runs it with no checks or dispatch. Otherwise it checks every argument (errors name
+the argument, what was given and what is accepted), flattens the input to the kernels' view (rows
+``(M, N)``, N = the product of ``normalized_shape``; (N, C, HW) for the channel norms), picks the
+backend for the input's device (:mod:`normkit.dispatch`), and runs the plan :func:`normkit.plans.make`
+gives: the backend's own, or one over its contract functions. While torch.compile traces, the same
+checks lead to the custom operators of :mod:`normkit.ops` instead.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from normkit import dispatch, ops, reference
+from normkit import dispatch, ops, plans, reference
 from normkit.errors import InvalidArgument, InvalidDim, InvalidDtype
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -198,13 +200,6 @@ def _shape_key(normalized_shape):
     return None
 
 
-def _overrides_key() -> tuple:
-    """The backend and strategy overrides in effect (dispatch.use_backend / use_strategy), as part of
-    a memo key."""
-    overrides = dispatch.overrides()
-    return tuple(overrides.items()) if overrides else ()
-
-
 def _signature(op, input, normalized_shape, input_name, torch_dtypes, params) -> tuple | None:
     """What the checks of :func:`_prepare` depend on (eps aside), or None where the call is not
     memoized."""
@@ -219,7 +214,7 @@ def _signature(op, input, normalized_shape, input_name, torch_dtypes, params) ->
             return None  # an error below
         given.append(None if p is None else (type(p), p.shape, p.dtype, p.device))
     return (op, input.shape, input.dtype, input.device, shape, input_name, torch_dtypes, tuple(params),
-            tuple(given), _overrides_key())  # fmt: skip
+            tuple(given), plans.overrides_key())  # fmt: skip
 
 
 def _prepare(op, input, normalized_shape, eps, input_name="input", torch_dtypes=False, **params):
@@ -244,82 +239,14 @@ def _prepare(op, input, normalized_shape, eps, input_name="input", torch_dtypes=
                 _VALID.clear()
             _VALID[signature] = backend
     if input.dim() == 2 and len(shape) == 1:  # already rows: no view, so no extra autograd node
-        x = ops.unit_stride(input)
+        x = plans.unit_stride(input)
     else:
         m = math.prod(input.shape[: input.dim() - len(shape)])
-        x = ops.unit_stride(input.reshape(m, math.prod(shape)))
+        x = plans.unit_stride(input.reshape(m, math.prod(shape)))
     if x.numel() == 0:
         backend = reference  # nothing to launch: plain torch gives the empty results (and zero grads)
     flat = {name: _flat_param(value) for name, value in params.items()}
     return backend, x, flat, eps
-
-
-# Plans: a backend may hand back a plan for a call's signature (``plan_row_norm`` / ``plan_softmax``,
-# optional in the contract). An inference plan (no gradient wanted) is one launch, no saved
-# statistics, no checks (they passed for this signature), no autograd, no dispatch: a repeated no-grad
-# call (a served model's layers) costs 16-30 us of host time on the H100 host instead of 46-60
-# (docs/tuning-log.md T15). A training plan (gradients wanted) is a forward and a backward run by
-# one lean autograd.Function (ops.RowNormTraining, AddNormTraining, SoftmaxTraining) with the same
-# direct launches (docs/tuning-log.md T16). Keyed by everything the checks and the kernels' specialization
-# depend on, and by whether gradients are wanted.
-_PLANS: dict = {}
-PLANS_SIZE = 4096  # signatures remembered; then cleared
-_NO_PLAN = object()  # a signature the backend has no plan for (asked once)
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-_TRAINING = {"layer_norm": ops.RowNormTraining, "rms_norm": ops.RowNormTraining,
-             "group_norm": ops.RowNormTraining, "batch_norm": ops.BatchNormTraining,
-             "add_layer_norm": ops.AddNormTraining, "add_rms_norm": ops.AddNormTraining,
-             "softmax": ops.SoftmaxTraining, "log_softmax": ops.SoftmaxTraining}  # fmt: skip
-
-
-def _plan_key(op, input, tensors, *extra) -> tuple | None:
-    """The signature of a call a plan may serve, or None: a trace, a non-contiguous or subclassed
-    input, a non-contiguous parameter, or an ``extra`` left None. Its last entry says whether
-    gradients are wanted (grad mode on and a tensor that requires grad): a training plan."""
-    if type(input) is not torch.Tensor or None in extra or torch.compiler.is_compiling():
-        return None
-    if not input.is_contiguous():
-        return None
-    grad = torch.is_grad_enabled()
-    train = grad and input.requires_grad
-    specs = []
-    for t in tensors:
-        if t is None:
-            specs.append(None)
-            continue
-        # plain tensors and parameters only (a tensor subclass, e.g. a DTensor, takes the full path)
-        if type(t) not in _PLAIN or not t.is_contiguous():
-            return None
-        train = train or (grad and t.requires_grad)
-        specs.append((type(t), t.shape, t.dtype, t.device, t.data_ptr() % 16 == 0))
-    return (op, input.shape, input.dtype, input.device, input.data_ptr() % 16 == 0, tuple(specs), extra,
-            _overrides_key(), train)  # fmt: skip
-
-
-def _stored_plan(key):
-    """The plan remembered for ``key``; None when there is no key, no plan, or none asked for yet."""
-    plan = _PLANS.get(key) if key is not None else None
-    return None if plan is _NO_PLAN else plan
-
-
-def _plan(key, backend, name: str, rows: torch.Tensor, *args):
-    """A new plan for ``key`` made by ``backend.<name>(rows, *args)`` (with ``grad=True`` for a
-    training key, its (forward, backward) wrapped for autograd), remembered (also when there is
-    none); None when there is none, no key, or the backend was asked before (and had none)."""
-    if key is None or key in _PLANS:
-        return None
-    make = getattr(backend, name, None)
-    plan = None
-    if make is not None and rows.numel():
-        train = key[-1]
-        plan = make(rows, *args, grad=True) if train else make(rows, *args)
-        if train and plan is not None:
-            scalars = tuple(None if isinstance(a, torch.Tensor) else a for a in args)  # no tensor kept alive
-            plan = _TRAINING[key[0]](*plan, (key[0], tuple(rows.shape), scalars))
-    if len(_PLANS) >= PLANS_SIZE:
-        _PLANS.clear()
-    _PLANS[key] = _NO_PLAN if plan is None else plan
-    return plan
 
 
 def _shaped(rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -329,19 +256,20 @@ def _shaped(rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     """Same signature and semantics as :func:`torch.nn.functional.layer_norm`."""
-    key = _plan_key("layer_norm", input, (weight, bias), _shape_key(normalized_shape),
+    key = plans.key("layer_norm", input, (weight, bias), _shape_key(normalized_shape),
                     eps if type(eps) is float else None)  # fmt: skip
-    plan = _stored_plan(key)
+    plan = plans.stored(key)
     if plan is not None:
         return plan(input, None, weight, bias)
     backend, x, p, eps = _prepare(
         "layer_norm", input, normalized_shape, eps, torch_dtypes=True, weight=weight, bias=bias
     )
-    plan = _plan(key, backend, "plan_row_norm", x, p["weight"], p["bias"], eps, False)
-    if plan is not None:
+    if backend is None:  # torch.compile traces: the custom operator
+        return _shaped(ops.layer_norm_fwd(x, p["weight"], p["bias"], eps)[0], input)
+    plan = plans.make(key, backend, "row_norm", "layer_norm", x, p["weight"], p["bias"], eps, False)
+    if key is not None:
         return plan(input, None, weight, bias)
-    y = ops.layer_norm_fwd(x, p["weight"], p["bias"], eps)[0]
-    return _shaped(y, input)
+    return _shaped(plan(x, None, p["weight"], p["bias"]), input)
 
 
 def _rms_weight(op: str, input, weight: torch.Tensor) -> torch.Tensor:
@@ -363,19 +291,20 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):
     """
     if eps is None and isinstance(input, torch.Tensor) and input.dtype.is_floating_point:
         eps = torch.finfo(input.dtype).eps
-    key = _plan_key("rms_norm", input, (weight,), _shape_key(normalized_shape),
+    key = plans.key("rms_norm", input, (weight,), _shape_key(normalized_shape),
                     eps if type(eps) is float else None)  # fmt: skip
-    plan = _stored_plan(key)
+    plan = plans.stored(key)
     if plan is not None:
         return plan(input, None, weight, None)
     if isinstance(weight, torch.Tensor) and weight.dtype not in _FLOAT_DTYPES:
         weight, key = _rms_weight("rms_norm", input, weight), None  # no plan keyed by the integer weight
     backend, x, p, eps = _prepare("rms_norm", input, normalized_shape, eps, weight=weight)
-    plan = _plan(key, backend, "plan_row_norm", x, p["weight"], None, eps, True)
-    if plan is not None:
+    if backend is None:  # torch.compile traces: the custom operator
+        return _shaped(ops.rms_norm_fwd(x, p["weight"], eps)[0], input)
+    plan = plans.make(key, backend, "row_norm", "rms_norm", x, p["weight"], None, eps, True)
+    if key is not None:
         return plan(input, None, weight, None)
-    y = ops.rms_norm_fwd(x, p["weight"], eps)[0]
-    return _shaped(y, input)
+    return _shaped(plan(x, None, p["weight"], None), input)
 
 
 def _softmax(op: str, input, dim, stacklevel, dtype, log: bool):
@@ -384,8 +313,8 @@ def _softmax(op: str, input, dim, stacklevel, dtype, log: bool):
     if type(stacklevel) is not int and isinstance(stacklevel, torch.dtype):
         raise TypeError(f"{op}: the third positional argument is _stacklevel, as in torch.nn.functional."
                         f"{op}, got the dtype {stacklevel}; pass dtype={stacklevel} by keyword")  # fmt: skip
-    key = _plan_key(op, input, (), True if along_last and dtype is None else None)
-    plan = _stored_plan(key)
+    key = plans.key(op, input, (), True if along_last and dtype is None else None)
+    plan = plans.stored(key)
     if plan is not None:
         return plan(input)
     if not isinstance(input, torch.Tensor):
@@ -424,10 +353,14 @@ def _softmax(op: str, input, dim, stacklevel, dtype, log: bool):
         rows = moved
     else:
         rows = moved.reshape(-1, moved.shape[-1]) if moved.numel() else moved.reshape(0, moved.shape[-1])
-    plan = _plan(key, backend, "plan_softmax", rows, log)
-    if plan is not None:
-        return plan(input)
-    y = _shaped(ops.softmax_fwd(ops.unit_stride(rows), log), moved)
+    rows = plans.unit_stride(rows)
+    if backend is None:  # torch.compile traces: the custom operator
+        y = _shaped(ops.softmax_fwd(rows, log), moved)
+    else:
+        plan = plans.make(key, backend, "softmax", op, rows, log)
+        if key is not None:
+            return plan(input)
+        y = _shaped(plan(rows), moved)
     return y.reshape(()) if input.dim() == 0 else y if last else y.movedim(-1, dim)
 
 
@@ -447,9 +380,9 @@ def _add_norm(op, x, residual, normalized_shape, weight, bias, eps, dropout_p, s
               prenorm, is_rms):  # fmt: skip
     # a plan serves calls without dropout (and no seed)
     plain = seed is None and type(dropout_p) in (float, int) and dropout_p == 0
-    key = _plan_key(op, x, (residual, weight, bias), _shape_key(normalized_shape),
+    key = plans.key(op, x, (residual, weight, bias), _shape_key(normalized_shape),
                     eps if type(eps) is float and plain else None, (residual_dtype,), prenorm)  # fmt: skip
-    plan = _stored_plan(key)
+    plan = plans.stored(key)
     if plan is not None:  # (only keys whose residual has x's shape get a plan: see below)
         y, h = plan(x, residual, weight, bias)
         return (y, h) if prenorm else y
@@ -486,14 +419,17 @@ def _add_norm(op, x, residual, normalized_shape, weight, bias, eps, dropout_p, s
         if backend is not None and dtype is not None and dtype not in backend.SUPPORTED_DTYPES:
             raise InvalidDtype(f"{op}: {name} dtype {dtype} is not supported by the {backend.NAME} "
                                f"backend; accepted: {_dtype_names(backend.SUPPORTED_DTYPES)}")  # fmt: skip
-    r_rows = None if residual is None else ops.unit_stride(residual.reshape(rows.shape))
-    plan = _plan(key, backend, "plan_row_norm", rows, p["weight"], p.get("bias"), eps, is_rms, True,
-                 r_rows, h_dtype)  # fmt: skip
-    if plan is not None:
-        y, h = plan(x, residual, weight, bias)
-        return (y, h) if prenorm else y
-    y, h = ops.add_norm_fwd(rows, r_rows, p["weight"], p.get("bias"), eps, float(dropout_p), int(seed),
-                            h_dtype, is_rms)[:2]  # fmt: skip
+    r_rows = None if residual is None else plans.unit_stride(residual.reshape(rows.shape))
+    if backend is None:  # torch.compile traces: the custom operator
+        y, h = ops.add_norm_fwd(rows, r_rows, p["weight"], p.get("bias"), eps, float(dropout_p), int(seed),
+                                h_dtype, is_rms)[:2]  # fmt: skip
+    else:  # (with dropout: a plan of its own, with this call's seed)
+        plan = plans.make(key, backend, "row_norm", op, rows, p["weight"], p.get("bias"), eps, is_rms, True,
+                          r_rows, h_dtype, contract=(float(dropout_p), int(seed)))  # fmt: skip
+        if key is not None:
+            y, h = plan(x, residual, weight, bias)
+            return (y, h) if prenorm else y
+        y, h = plan(rows, r_rows, p["weight"], p.get("bias"))
     y, h = _shaped(y, x), _shaped(h, x)
     return (y, h) if prenorm else y
 
@@ -578,9 +514,9 @@ def _channels(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous()
 
 
-def _group_norm(op, input, num_groups, weight, bias, eps, key=None):
-    """-> (y, mean (N * G,), rstd (N * G,)) after validation; statistics are not differentiable.
-    With a plan key (``_plan_key``), a call its plan serves returns (y, None, None)."""
+def _group_norm(op, input, num_groups, weight, bias, eps, key=None, stats=False):
+    """-> y after validation, run from the plan for ``key`` (:func:`normkit.plans.key`) or one of
+    its own; with ``stats``: (y, mean (N * G,), rstd (N * G,)), the statistics not differentiable."""
     _check_tensor(op, "input", input, required=True)
     if input.dim() < 2:
         raise InvalidArgument(f"{op}: input must have shape (N, C, *), got {list(input.shape)}")
@@ -601,19 +537,26 @@ def _group_norm(op, input, num_groups, weight, bias, eps, key=None):
     backend = _backend(op, input, weight=weight, bias=bias)  # a served device and dtype, or an error
     _check_param_dtypes("group_norm", input, weight=weight, bias=bias)
     x = input.reshape(input.shape[0], C, -1) if input.numel() else input.reshape(input.shape[0], C, 0)
-    plan = _plan(key, backend, "plan_group_norm", x, weight, bias, int(num_groups), eps)
-    if plan is not None:
-        return plan(input, None, weight, bias), None, None
-    y, mean, rstd = ops.group_norm_fwd(_channels(x), weight, bias, int(num_groups), eps)
-    return y.view(input.shape), mean, rstd  # (in x's layout: channels-last stays so)
+    x, num_groups = _channels(x), int(num_groups)
+    if backend is None:  # torch.compile traces: the custom operator
+        y, mean, rstd = ops.group_norm_fwd(x, weight, bias, num_groups, eps)
+        return (y.view(input.shape), mean, rstd) if stats else y.view(input.shape)
+    plan = plans.make(key, backend, "group_norm", "group_norm", x, weight, bias, num_groups, eps,
+                      train=True if stats else None)  # fmt: skip
+    if stats:
+        y, mean, rstd = plan.with_stats(x, weight, bias)
+        return y.view(input.shape), mean, rstd
+    if key is not None:
+        return plan(input, None, weight, bias)
+    return plan(x, None, weight, bias).view(input.shape)  # (in x's layout: channels-last stays so)
 
 
 def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
     """Same signature and semantics as :func:`torch.nn.functional.group_norm`: input (N, C, *),
     statistics per (sample, group of C / num_groups channels), per-channel weight and bias."""
-    key = _plan_key("group_norm", input, (weight, bias), num_groups if type(num_groups) is int else None,
+    key = plans.key("group_norm", input, (weight, bias), num_groups if type(num_groups) is int else None,
                     eps if type(eps) is float else None)  # fmt: skip
-    plan = _stored_plan(key)
+    plan = plans.stored(key)
     if plan is not None:
         return plan(input, None, weight, bias)
     if type(num_groups) is not int:
@@ -626,7 +569,7 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
             f"group_norm: expected more than 1 value per channel when training, "
             f"got input shape {list(input.shape)} with num_groups {num_groups}"
         )
-    return _group_norm("group_norm", input, num_groups, weight, bias, eps, key)[0]
+    return _group_norm("group_norm", input, num_groups, weight, bias, eps, key)
 
 
 def _check_both_or_neither(op: str, running_mean, running_var) -> None:
@@ -675,17 +618,18 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
     dispatch.check_devices(input, op=op, **stats)
     C = input.shape[1]
     eps = _check_eps(op, eps)
-    y, mean, rstd = _group_norm(op, input, C or 1, weight, bias, eps)
-    if (running_mean is not None or running_var is not None) and input.numel():
+    if (running_mean is None and running_var is None) or not input.numel():
         # (an empty input leaves the running statistics as they are, as torch does for HW = 0)
-        hw = math.prod(input.shape[2:])
-        with torch.no_grad():
-            mean_nc = mean.view(input.shape[0], C)
-            var_nc = (rstd.view(input.shape[0], C).double().pow(-2) - eps) * (hw / (hw - 1))
-            if running_mean is not None:
-                running_mean.mul_(1 - momentum).add_(mean_nc.mean(0).to(running_mean.dtype), alpha=momentum)
-            if running_var is not None:
-                running_var.mul_(1 - momentum).add_(var_nc.mean(0).to(running_var.dtype), alpha=momentum)
+        return _group_norm(op, input, C or 1, weight, bias, eps)
+    y, mean, rstd = _group_norm(op, input, C or 1, weight, bias, eps, stats=True)
+    hw = math.prod(input.shape[2:])
+    with torch.no_grad():
+        mean_nc = mean.view(input.shape[0], C)
+        var_nc = (rstd.view(input.shape[0], C).double().pow(-2) - eps) * (hw / (hw - 1))
+        if running_mean is not None:
+            running_mean.mul_(1 - momentum).add_(mean_nc.mean(0).to(running_mean.dtype), alpha=momentum)
+        if running_var is not None:
+            running_var.mul_(1 - momentum).add_(var_nc.mean(0).to(running_var.dtype), alpha=momentum)
     return y
 
 
@@ -700,10 +644,10 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
     op = "batch_norm"
     # momentum is an argument of the plan, not part of its key (nn.BatchNorm's cumulative average
     # passes a new one each step)
-    key = _plan_key(op, input, (weight, bias, running_mean, running_var),
+    key = plans.key(op, input, (weight, bias, running_mean, running_var),
                     training if type(training) is bool else None, eps if type(eps) is float else None,
                     True if type(momentum) is float else None)  # fmt: skip
-    plan = _stored_plan(key)
+    plan = plans.stored(key)
     if plan is not None:
         return plan(input, weight, bias, running_mean, running_var, momentum)
     _check_tensor(op, "input", input, required=True)
@@ -736,25 +680,25 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
         # channels-last: the same memory as a contiguous (N * HW, C, 1) batch, read in place (the
         # same per-channel statistics over N * HW values), the output viewed back (channels-last)
         x = input.movedim(1, -1).reshape(-1, C, 1)
-    plan = _plan(key, backend, "plan_batch_norm", x, weight, bias, running_mean, running_var, eps, training)
-    if plan is not None:
-        return plan(input, weight, bias, running_mean, running_var, momentum)
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    rm, rv = (None if t is None else t.detach() for t in (running_mean, running_var))
+    if backend is not None:  # (training: the plan's forward updates the running statistics in place)
+        plan = plans.make(key, backend, "batch_norm", op, x, weight, bias, rm, rv, eps, training)
+        if key is not None:
+            return plan(input, weight, bias, running_mean, running_var, momentum)
+        return _batch_shaped(plan(x, weight, bias, rm, rv, momentum), input, cl)
+    # torch.compile traces: the custom operators
     if training:  # one operator: statistics, running statistics and y (CUDA: one read of x)
         if count == 0:  # an empty batch leaves the running statistics as they are (as torch)
-            running_mean = running_var = None
-        rm, rv = (None if t is None else t.detach() for t in (running_mean, running_var))
+            rm = rv = None
         out = ops.batch_norm_train(x, weight, bias, eps, float(momentum), rm, rv)
-        if torch.compiler.is_compiling():  # the traced operator is functional: copy its statistics back
-            with torch.no_grad():
-                for buf, new in ((running_mean, out[3]), (running_var, out[4])):
-                    if buf is not None:
-                        buf.copy_(new)
+        with torch.no_grad():  # the traced operator is functional: copy its statistics back
+            for buf, new in ((rm, out[3]), (rv, out[4])):
+                if buf is not None:
+                    buf.copy_(new)
         return _batch_shaped(out[0], input, cl)
-    mean = running_mean.detach().to(acc)
-    rstd = torch.rsqrt(running_var.detach().to(acc) + eps)
-    y = ops.batch_norm_fwd(x, weight, bias, mean, rstd, False)
-    return _batch_shaped(y, input, cl)
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    mean, rstd = rm.to(acc), torch.rsqrt(rv.to(acc) + eps)
+    return _batch_shaped(ops.batch_norm_fwd(x, weight, bias, mean, rstd, False), input, cl)
 
 
 def _batch_shaped(y: torch.Tensor, input: torch.Tensor, channels_last: bool) -> torch.Tensor:

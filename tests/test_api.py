@@ -77,14 +77,14 @@ def test_memoized_signatures_keep_the_backend_of_their_overrides():
 
 
 def test_plan_keys_only_for_calls_a_plan_may_serve():
-    """functional._plan_key: a signature for calls on contiguous plain tensors (parameters
+    """plans.key: a signature for calls on contiguous plain tensors (parameters
     included), with the input's alignment in it and, last, whether gradients are wanted (a training
     plan); None for strided or subclassed tensors and for an argument the checks would have to see
     (``extra`` None)."""
-    from normkit import functional
+    from normkit import plans
 
     def key(x, w, *extra):
-        return functional._plan_key("layer_norm", x, (w, None), *(extra or (8, 1e-5)))
+        return plans.key("layer_norm", x, (w, None), *(extra or (8, 1e-5)))
 
     x, w = torch.randn(4, 8), torch.randn(8)
     p = torch.nn.Parameter(w.clone())
@@ -256,12 +256,12 @@ def test_training_plans_run_forward_and_backward(monkeypatch):
     parameters' shape, the add-norms' x and residual gradients their dtypes (with and without h's
     own gradient), and a no-grad call of the same signature does not use the training plan. GroupNorm
     plans follow the row norms' protocol."""
-    from normkit import functional
+    from normkit import plans
 
     calls: list = []
     module = _planning_backend(calls)
     monkeypatch.setitem(sys.modules, module.__name__, module)
-    functional._PLANS.clear()
+    plans._PLANS.clear()
     ns = (5, 6)
     with dispatch.use_backend("cpu", module.__name__):
         for rnd in range(3):
@@ -285,23 +285,24 @@ def test_training_plans_run_forward_and_backward(monkeypatch):
                 with torch.no_grad():
                     calls.clear()
                     torch.testing.assert_close(ours(), yr.detach(), msg=name)
-                    assert calls == [], name  # no inference plan here: the full path
-    plans = [p for p in functional._PLANS.values() if p is not functional._NO_PLAN]
-    assert {type(p).__name__ for p in plans} == {"RowNormTraining", "AddNormTraining", "SoftmaxTraining"}
-    functional._PLANS.clear()
+                    assert calls == [], name  # no inference plan here: a contract plan
+    own = [p for p in plans._PLANS.values() if not plans.is_contract(p)]
+    assert {type(p).__name__ for p in own} == {"Training", "AddNormTraining", "SoftmaxTraining"}
+    assert all(plans.is_contract(p) for key, p in plans._PLANS.items() if not key[-1])
+    plans._PLANS.clear()
 
 
 def test_batch_norm_plans_update_running_statistics(monkeypatch):
     """BatchNorm calls run from a backend's plans (training with and without gradients, eval without)
     once their signature has been seen: y, every gradient and the running statistics (updated in
     place, a new momentum each step as nn.BatchNorm's cumulative average passes, so momentum is not
-    part of the plan's key) match torch in fp64; eval mode with gradients takes the full path."""
-    from normkit import functional
+    part of the plan's key) match torch in fp64; eval mode with gradients runs a contract plan."""
+    from normkit import plans
 
     calls: list = []
     module = _planning_backend(calls)
     monkeypatch.setitem(sys.modules, module.__name__, module)
-    functional._PLANS.clear()
+    plans._PLANS.clear()
     f64 = torch.float64
     w, b = (torch.nn.Parameter(torch.randn(4, dtype=f64)) for _ in range(2))
     ours = [torch.randn(4, dtype=f64), torch.rand(4, dtype=f64) + 0.5]
@@ -328,10 +329,12 @@ def test_batch_norm_plans_update_running_statistics(monkeypatch):
                     for g, e in zip(grads, torch.autograd.grad(yr, (x, w, b), dy)):
                         torch.testing.assert_close(g, e, msg=str(what))
                 assert calls == served, (what, calls)
-    plans = {(key[-1], type(p).__name__) for key, p in functional._PLANS.items() if key[0] == "batch_norm"}
-    # training and eval-mode inference plans; none for eval mode with gradients
-    assert plans == {(True, "BatchNormTraining"), (False, "function"), (True, "object")}, plans
-    functional._PLANS.clear()
+    kinds = {(key[-1], type(p).__name__, plans.is_contract(p))
+             for key, p in plans._PLANS.items() if key[0] == "batch_norm"}  # fmt: skip
+    # the backend's training and eval-mode inference plans; a contract plan for eval mode with gradients
+    assert kinds == {(True, "BatchNormTraining", False), (False, "function", False),
+                     (True, "BatchNormTraining", True)}, kinds  # fmt: skip
+    plans._PLANS.clear()
 
 
 def test_bias_wrong_shape_names_bias():
@@ -452,7 +455,7 @@ def test_backward_runs_on_the_forward_backend_from_another_thread(monkeypatch):
 
 @pytest.mark.parametrize("executor", INTERPRETER, ids=lambda e: e.name)
 def test_fresh_outputs_backends_return_no_aliases(executor, run_on):
-    """A backend that declares FRESH_OUTPUTS skips ops._outs's alias check, so every output of every
+    """A backend that declares FRESH_OUTPUTS skips plans.fresh's alias check, so every output of every
     contract function must be a new allocation: no storage shared with an input or another output."""
     import importlib
 
@@ -508,17 +511,109 @@ def test_fresh_outputs_backends_return_no_aliases(executor, run_on):
             seen.add(ptr)
 
 
+def _spy_backend(calls: list, name: str = "normkit_test_contract_backend"):
+    """The reference as a backend with no plans of its own, recording each contract call with the
+    strategy override in effect for it (``dispatch.strategy``)."""
+    from normkit import reference
+
+    spy = types.ModuleType(name)
+    spy.__dict__.update({k: v for k, v in vars(reference).items() if not k.startswith("__")})
+    for fn in dispatch.CONTRACT:
+        def record(*args, _fn=fn):
+            calls.append((_fn, dispatch.strategy(name)))
+            return getattr(reference, _fn)(*args)
+        setattr(spy, fn, record)
+    return spy
+
+
+def test_every_backend_runs_remembered_contract_plans(monkeypatch):
+    """A backend without plans of its own (the reference, the NPU backend) gets contract plans: a
+    repeated call of every op is served by the plan remembered for its signature, with no checks
+    (``_prepare`` would fail here) and fresh data each call, and matches torch in fp64, forward and
+    backward; a call with dropout gets a plan of its own (none remembered)."""
+    from normkit import functional, plans
+
+    calls: list = []
+    spy = _spy_backend(calls)
+    monkeypatch.setitem(sys.modules, spy.__name__, spy)
+    f64 = torch.float64
+    w, b = (torch.randn(6, dtype=f64, requires_grad=True) for _ in range(2))
+    c = torch.randn(4, dtype=f64, requires_grad=True)
+    cases = {  # op -> (normkit, torch) on x (3, 4, 6) and r
+        "layer_norm": (lambda x, r: normkit.layer_norm(x, (6,), w, b),
+                       lambda x, r: F.layer_norm(x, (6,), w, b)),
+        "rms_norm": (lambda x, r: normkit.rms_norm(x, (6,), w, 1e-6),
+                     lambda x, r: F.rms_norm(x, (6,), w, 1e-6)),
+        "softmax": (lambda x, r: normkit.softmax(x, -1), lambda x, r: torch.softmax(x, -1)),
+        "add_rms_norm": (lambda x, r: normkit.add_rms_norm(x, r, 6, w, 1e-6),
+                         lambda x, r: F.rms_norm(x + r, (6,), w, 1e-6)),
+        "group_norm": (lambda x, r: normkit.group_norm(x, 2, c, c), lambda x, r: F.group_norm(x, 2, c, c)),
+        "batch_norm": (lambda x, r: normkit.batch_norm(x, None, None, c, c, True),
+                       lambda x, r: F.batch_norm(x, None, None, c, c, True)),
+    }  # fmt: skip
+
+    def one_round(rnd):
+        for grad in (False, True):
+            x = torch.randn(3, 4, 6, dtype=f64, requires_grad=grad)
+            r = torch.randn(3, 4, 6, dtype=f64, requires_grad=grad)
+            for op, (ours, theirs) in cases.items():
+                with torch.set_grad_enabled(grad):
+                    y, expected = ours(x, r), theirs(x, r)
+                torch.testing.assert_close(y, expected, msg=f"{op} round {rnd} grad {grad}")
+                if grad:
+                    dy = torch.randn_like(y)
+                    inputs = (x, r, w) if op == "add_rms_norm" else (x,)
+                    got, want = torch.autograd.grad(y, inputs, dy), torch.autograd.grad(expected, inputs, dy)
+                    for g, e in zip(got, want):
+                        torch.testing.assert_close(g, e, msg=f"{op} round {rnd} gradient")
+
+    plans._PLANS.clear()
+    with dispatch.use_backend("cpu", spy.__name__):
+        one_round(0)
+        with monkeypatch.context() as patch:  # from here on every call must come from a remembered plan
+            patch.setattr(functional, "_prepare", lambda *a, **k: pytest.fail("checked again"))
+            patch.setattr(functional, "_group_norm", lambda *a, **k: pytest.fail("checked again"))
+            one_round(1)
+            one_round(2)
+        assert len(plans._PLANS) == 2 * len(cases)
+        assert all(plans.is_contract(p) for p in plans._PLANS.values())
+        x = torch.randn(3, 4, 6, dtype=f64)
+        y1, y2 = (normkit.add_layer_norm(x, None, 6, dropout_p=0.5, seed=seed) for seed in (1, 2))
+        assert not torch.equal(y1, y2) and len(plans._PLANS) == 2 * len(cases)  # each seed's plan, not kept
+    assert {fn for fn, _ in calls} >= {"layer_norm_fwd", "layer_norm_bwd", "group_norm_bwd", "batch_norm_bwd"}
+    plans._PLANS.clear()
+
+
+def test_contract_plan_backward_runs_under_the_forward_strategy(monkeypatch):
+    """A contract plan's backward runs under the overrides in effect for its forward (a strategy
+    forced with ``config.forced`` reaches the backward), also from another thread and after the
+    block that set them has ended."""
+    import threading
+
+    calls: list = []
+    spy = _spy_backend(calls, "normkit_test_strategy_backend")
+    monkeypatch.setitem(sys.modules, spy.__name__, spy)
+    x = torch.randn(4, 8, requires_grad=True)
+    with dispatch.use_backend("cpu", spy.__name__), dispatch.use_strategy(spy.__name__, "forced"):
+        y = normkit.layer_norm(x.view(2, 2, 8)[:, 1], (8,))  # strided: a plan of its own
+    worker = threading.Thread(target=lambda: y.backward(torch.randn_like(y)))
+    worker.start()
+    worker.join()
+    assert calls == [("layer_norm_fwd", "forced"), ("layer_norm_bwd", "forced")], calls
+    assert x.grad is not None and x.grad[0::2].abs().sum() == 0 and x.grad[1::2].abs().sum() > 0
+
+
 def test_plans_never_serve_a_converted_argument(monkeypatch):
     """A broadcast residual (add-norms) and an integer RMSNorm weight are converted by the front end
     (expanded to x's shape; cast to the math dtype): such calls take the full path, and a plan made
     for the plain call of the same shapes is not handed the unconverted tensor (checked in both
     orders, through a stub backend whose training plans wrap the reference)."""
-    from normkit import functional
+    from normkit import plans
 
     calls: list = []
     module = _planning_backend(calls)
     monkeypatch.setitem(sys.modules, module.__name__, module)
-    functional._PLANS.clear()
+    plans._PLANS.clear()
     f64 = torch.float64
     with dispatch.use_backend("cpu", module.__name__):
         for _ in range(2):
@@ -539,7 +634,7 @@ def test_plans_never_serve_a_converted_argument(monkeypatch):
                 y = normkit.rms_norm(x, (8,), weight, 1e-6)
                 torch.testing.assert_close(y, F.rms_norm(x, (8,), weight, 1e-6))
     assert "row_norm forward" in calls  # the plain calls were served by plans
-    functional._PLANS.clear()
+    plans._PLANS.clear()
 
 
 def test_a_backend_may_leave_contract_functions_to_the_reference(monkeypatch):

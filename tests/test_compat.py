@@ -201,14 +201,14 @@ def test_forced_strategies_hold_in_their_block_and_context_only():
 
 def test_forced_strategies_key_the_plans():
     """A call inside a forced block never reuses a plan made outside it (or in another block): the
-    Force is part of the plan signature (functional._overrides_key)."""
-    from normkit import functional
+    Force is part of the plan signature (plans.overrides_key)."""
+    from normkit import plans
 
     x, w = torch.randn(4, 64), torch.randn(64)
-    outside = functional._plan_key("layer_norm", x, (w, None), 64, 1e-5)
+    outside = plans.key("layer_norm", x, (w, None), 64, 1e-5)
     with config.forced(in_parts=True):
-        inside = functional._plan_key("layer_norm", x, (w, None), 64, 1e-5)
+        inside = plans.key("layer_norm", x, (w, None), 64, 1e-5)
         with config.forced(split_prefetch=False):
-            nested = functional._plan_key("layer_norm", x, (w, None), 64, 1e-5)
+            nested = plans.key("layer_norm", x, (w, None), 64, 1e-5)
     assert len({outside, inside, nested}) == 3
-    assert functional._plan_key("layer_norm", x, (w, None), 64, 1e-5) == outside
+    assert plans.key("layer_norm", x, (w, None), 64, 1e-5) == outside

@@ -69,7 +69,7 @@ def _image_cases():
     ]
 
 
-@pytest.mark.parametrize("name,op,args", [(n, e.op, a) for n, e, a in _opcheck_cases()],
+@pytest.mark.parametrize("name,op,args", _opcheck_cases(),
                          ids=lambda v: v if isinstance(v, str) else "")  # fmt: skip
 @pytest.mark.parametrize("executor", [pytest.param(None, id="cpu")] + executor_params([()], [()]))
 def test_opcheck(run_on, executor, name, op, args):

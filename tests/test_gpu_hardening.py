@@ -732,7 +732,7 @@ def test_launch_key_checks_catch_a_key_that_misses_an_argument(run_on, monkeypat
             assert torch.equal(h, h2), f"seed {seed}: the same seed gave another mask"
 
 
-# --- inference plans (normkit.functional._PLANS) ---------------------------------------------------
+# --- inference plans (normkit.plans._PLANS) ---------------------------------------------------
 
 # the last two: split rows in the backward (12000), in both directions (40000) for 16-bit and fp32
 PLAN_SHAPES = [((1, 4096), 1), ((3, 1000), 1), ((128, 8192), 1), ((2, 5, 64), 2), ((7, 1), 1),
@@ -782,15 +782,15 @@ def test_split_rows_have_plans(run_on, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("shape, nd", PLAN_SHAPES, ids=str)
 def test_inference_plans_match_reference(run_on, dtype, shape, nd):
-    """No-grad calls run from a plan once their signature has been seen (functional._PLANS): three
+    """No-grad calls run from a plan once their signature has been seen (plans._PLANS): three
     rounds of fresh data per signature, aligned and misaligned inputs (each its own plan), with and
     without weight / bias / residual, fp32 parameters and h with 16-bit inputs; every result matches
     fp64 torch and carries no autograd history."""
-    from normkit import functional
+    from normkit import plans
 
     gpu = _on_gpu(run_on, "cuda", dtype)  # skips here without a GPU
     pdtypes = [dtype, torch.float32] if dtype.itemsize == 2 else [dtype]
-    functional._PLANS.clear()
+    plans._PLANS.clear()
     with gpu, torch.no_grad():
         ns, numel = shape[len(shape) - nd:], math.prod(shape)
         for rnd in range(3):
@@ -824,8 +824,8 @@ def test_inference_plans_match_reference(run_on, dtype, shape, nd):
                         what = f"{name} {list(shape)} offset {offset} round {rnd} params {pd}"
                         assert y.shape == x.shape and not y.requires_grad, what
                         assert_close(y, y64, dtype, "fwd", what)
-    plans = [p for p in functional._PLANS.values() if p is not functional._NO_PLAN]
-    assert plans and len(plans) == len(functional._PLANS), "a signature of this shape has no plan"
+    own = [p for p in plans._PLANS.values() if not plans.is_contract(p)]
+    assert own and len(own) == len(plans._PLANS), "a signature of this shape has no plan of the backend's"
 
 
 @pytest.mark.cuda
@@ -833,17 +833,17 @@ def test_inference_plans_match_reference(run_on, dtype, shape, nd):
 @pytest.mark.parametrize("shape, nd", PLAN_SHAPES, ids=str)
 def test_training_plans_match_reference(run_on, dtype, shape, nd):
     """Calls that want gradients run from a training plan once their signature has been seen
-    (functional._PLANS, ops.RowNormTraining / SoftmaxTraining): two rounds of fresh data per
+    (plans._PLANS, plans.Training / SoftmaxTraining): two rounds of fresh data per
     signature, aligned and misaligned inputs, with and without weight / bias / residual, fp32
     parameters with 16-bit inputs, the add-norms with and without h's own gradient, incoming
     gradients fresh, misaligned and expanded (copied by the plan's Function); outputs and every
     gradient (dtype and shape of its input) match fp64 torch, and a second backward gives bitwise
     equal gradients."""
-    from normkit import functional
+    from normkit import plans
 
     gpu = _on_gpu(run_on, "cuda", dtype)  # skips here without a GPU
     pdtypes = [dtype, torch.float32] if dtype.itemsize == 2 else [dtype]
-    functional._PLANS.clear()
+    plans._PLANS.clear()
     with gpu:
         for rnd, offset, pd in itertools.product(range(2), (0, 1), pdtypes):
             ns, numel = shape[len(shape) - nd:], math.prod(shape)
@@ -889,8 +889,8 @@ def test_training_plans_match_reference(run_on, dtype, shape, nd):
                         tol = "param" if isinstance(t, torch.nn.Parameter) else "bwd"
                         assert_close(g, e, dtype, tol, label, rows=numel // shape[-1])
                         assert torch.equal(g, g2), f"{label} differs between two runs"
-    trained = [p for p in functional._PLANS.values() if type(p).__name__.endswith("Training")]
-    assert {type(p).__name__ for p in trained} == {"RowNormTraining", "AddNormTraining", "SoftmaxTraining"}
+    trained = [p for p in plans._PLANS.values() if isinstance(p, plans.Training) and not plans.is_contract(p)]
+    assert {type(p).__name__ for p in trained} == {"Training", "AddNormTraining", "SoftmaxTraining"}
 
 
 # (2, 8, 48, 48): rows of L = 9216, whose fp32 backward splits (config.group_norm_split_backward);
@@ -906,7 +906,7 @@ def test_group_norm_plans_match_reference(run_on, dtype):
     rounds of fresh data per signature, aligned and misaligned inputs, with and without weight /
     bias, fp32 parameters with 16-bit inputs; the no-grad output, the output with gradients and
     every gradient (dtype, shape, value) match fp64 torch, and a second backward is bitwise equal."""
-    from normkit import functional
+    from normkit import plans
 
     gpu = _on_gpu(run_on, "cuda", dtype)  # skips here without a GPU
     pdtypes = [dtype, torch.float32] if dtype.itemsize == 2 else [dtype]
@@ -939,8 +939,8 @@ def test_group_norm_plans_match_reference(run_on, dtype):
                 rows = shape[0] * math.prod(shape[2:])  # summed into each parameter gradient
                 assert_close(g, e, dtype, "param" if i else "bwd", label, rows=rows)
                 assert torch.equal(g, g2), f"{label} differs between two runs"
-    served = {key[-1] for key, p in functional._PLANS.items()
-              if key[0] == "group_norm" and p is not functional._NO_PLAN}  # fmt: skip
+    served = {key[-1] for key, p in plans._PLANS.items()
+              if key[0] == "group_norm" and not plans.is_contract(p)}  # fmt: skip
     assert served == {False, True}, "GroupNorm calls were not served by inference and training plans"
 
 
@@ -951,14 +951,16 @@ BN_PLAN_SHAPES = [(4, 8, 32, 32), (8, 4, 48, 48), (2, 6, 300), (5, 3, 7, 9)]
 
 def _batch_norm_call(monkeypatch, x, stats, w, b, train, grad, momentum, plans):
     """normkit.batch_norm on clones of ``stats`` (None entries: none given) -> (y, the statistics
-    after the call); ``plans=False``: the full path (no plan looked up or made, none forgotten)."""
-    from normkit import functional
+    after the call); ``plans=False``: contract plans only (none of the backend's own looked up, made
+    or remembered)."""
+    from normkit import plans as plan_cache
 
     run = [None if s is None else s.clone() for s in stats]
+    make = plan_cache.make
     with monkeypatch.context() as patch:
         if not plans:
-            patch.setattr(functional, "_stored_plan", lambda key: None)
-            patch.setattr(functional, "_plan", lambda *args: None)
+            patch.setattr(plan_cache, "stored", lambda key: None)
+            patch.setattr(plan_cache, "make", lambda key, *args, **kwargs: make(None, *args, **kwargs))
         with torch.set_grad_enabled(grad):
             return normkit.batch_norm(x, *run, w, b, training=train, momentum=momentum), run
 
@@ -974,7 +976,7 @@ def test_batch_norm_plans_match_reference(run_on, monkeypatch, shape, dtype):
     with 16-bit inputs. The outputs, running statistics and every gradient match fp64 torch, a
     second backward is bitwise equal, and the full path (plans off) gives bitwise the same y and
     running statistics."""
-    from normkit import functional
+    from normkit import plans
     from normkit.backends.cuda import config
 
     gpu = _on_gpu(run_on, "cuda", dtype)  # skips here without a GPU
@@ -983,7 +985,7 @@ def test_batch_norm_plans_match_reference(run_on, monkeypatch, shape, dtype):
     rows = shape[0] * math.prod(shape[2:])  # values per channel
     modes = ((True, True), (True, False), (False, False))  # (training, gradients wanted)
     with gpu:
-        functional._PLANS.clear()
+        plans._PLANS.clear()
         cases = itertools.product(range(3), (0, 1), pdtypes, (True, False), (True, False), modes)
         for rnd, offset, pd, affine, running, (train, grad) in cases:
             what = (f"batch_norm {list(shape)} round {rnd} offset {offset} params {pd} affine {affine} "
@@ -1022,9 +1024,11 @@ def test_batch_norm_plans_match_reference(run_on, monkeypatch, shape, dtype):
                 assert torch.equal(g, g2), f"{label} differs between two runs"
     hw, cuda = math.prod(shape[2:]), torch.device("cuda")
     splits = all(config.batch_norm_split(shape[0], C, hw, dtype, cuda, bwd) for bwd in (False, True))
-    kinds = {(key[-1], type(p).__name__) for key, p in functional._PLANS.items() if key[0] == "batch_norm"}
+    kinds = {(key[-1], type(p).__name__, plans.is_contract(p))
+             for key, p in plans._PLANS.items() if key[0] == "batch_norm"}  # fmt: skip
     if splits:  # a training plan, and inference plans in training and eval mode
-        assert kinds == {(True, "BatchNormTraining"), (False, "function")}, kinds
-    else:  # two-pass kernels: the full path in training, an inference plan in eval mode
-        assert kinds == {(True, "object"), (False, "object"), (False, "function")}, kinds
-    functional._PLANS.clear()
+        assert kinds == {(True, "BatchNormTraining", False), (False, "function", False)}, kinds
+    else:  # two-pass kernels: contract plans in training, the backend's inference plan in eval mode
+        assert kinds == {(True, "BatchNormTraining", True), (False, "method", True),
+                         (False, "function", False)}, kinds  # fmt: skip
+    plans._PLANS.clear()

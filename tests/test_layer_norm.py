@@ -274,18 +274,18 @@ def test_rows_in_shared_memory(run_on, monkeypatch, shape, dtype, op, affine):
     """The one-program shared-memory forward (chosen for these shapes with LayerNorm's rows in parts
     taken out of the config, asserted) matches fp64, with and without weight / bias; misaligned rows
     of the same shape take the split forward and match too."""
-    from normkit import functional
+    from normkit import plans
     from normkit.backends.cuda import config
 
     monkeypatch.delitem(config.SMEM_SPLIT_FWD, "layer_norm")
     config.clear_caches()
-    functional._PLANS.clear()  # plans hold the launch configs of their signature
+    plans._PLANS.clear()  # plans hold the launch configs of their signature
     try:
         _check_rows_in_shared_memory(run_on, shape, dtype, op, affine)
     finally:
         monkeypatch.undo()
         config.clear_caches()
-        functional._PLANS.clear()
+        plans._PLANS.clear()
 
 
 def _check_rows_in_shared_memory(run_on, shape, dtype, op, affine):

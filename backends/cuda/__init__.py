@@ -29,7 +29,7 @@ from normkit.backends.cuda.softmax import plan_softmax, softmax_bwd, softmax_fwd
 
 NAME = "cuda"
 # Every output of every contract function is a new allocation (never an input or a view of one):
-# ops._outs skips its alias check for this backend (tests/test_api.py checks the promise).
+# plans.fresh skips its alias check for this backend (tests/test_api.py checks the promise).
 FRESH_OUTPUTS = True
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

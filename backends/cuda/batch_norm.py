@@ -1019,7 +1019,7 @@ def plan_batch_norm(x, weight, bias, running_mean, running_var, eps, training, g
     if not training:
         return _plan_eval(x, has_w, has_b, eps)
     cfg = _train_config(x)
-    bcfg = _bwd_config(x, 0) if grad else None  # the backward's dy comes aligned (ops._dense)
+    bcfg = _bwd_config(x, 0) if grad else None  # the backward's dy comes aligned (plans._dense)
     if cfg is None or (grad and bcfg is None):
         return None
     split = _split_forward(cfg, x.shape, x.dtype, x.device, eps, has_w, has_b, running_mean is not None,

@@ -206,9 +206,10 @@ def force() -> Force:
 def forced(**strategies) -> Iterator[Force]:
     """Force :class:`Force`'s ``strategies`` (by field name) for the calls of this block, on top of an
     enclosing block's; e.g. ``with config.forced(in_parts=True): normkit.softmax(x, -1)``. Per
-    context: this thread, and the eager backward of a forward made inside (it runs under the
-    forward's overrides, ops._bwd); not another thread, nor the backward of a torch.compile'd graph.
-    The memoized choices, launch keys and plans are keyed by it, so nothing needs clearing."""
+    context: this thread, and the eager backward of a forward made inside (a contract plan runs it
+    under the forward's overrides, plans._Restored; a plan of the backend's own bakes the choice
+    in); not another thread, nor the backward of a torch.compile'd graph. The memoized choices,
+    launch keys and plans are keyed by it, so nothing needs clearing."""
     value = replace(force(), **strategies)
     with dispatch.use_strategy(BACKEND, value):
         yield value

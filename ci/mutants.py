@@ -78,9 +78,12 @@ def mutate(source: str, mutant: Mutant) -> str:
 
 
 def scratch_copy(dest: Path) -> None:
-    """The tracked files (as in the working tree), with normkit/backends -> backends so that the copy's
-    own backends are imported (the editable install maps normkit.backends to this checkout)."""
-    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    """The tracked files and the untracked ones git does not ignore (as in the working tree: a copy of
+    a checkout whose index is older, as on the GPU machine, still has every file), with
+    normkit/backends -> backends so that the copy's own backends are imported (the editable install
+    maps normkit.backends to this checkout)."""
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, check=True).stdout  # fmt: skip
     for rel in files.decode().split("\0"):
         if rel and (ROOT / rel).is_file():
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)

@@ -140,7 +140,7 @@ def restore(saved: Mapping[str, object]) -> Iterator[None]:
 
 
 # A backend's strategy override (the CUDA backend's config.Force) lives among the overrides under
-# "<backend module>:strategy": it is part of the plan signatures (functional._overrides_key) and
+# "<backend module>:strategy": it is part of the plan signatures (plans.overrides_key) and
 # travels to the autograd engine's thread with them (restore).
 _STRATEGY = ":strategy"
 

@@ -101,10 +101,11 @@ def in_layout_of(dy: Tensor, x: Tensor) -> Tensor:
 
 
 def _function(backend, name: str):
-    """``backend.<name>``, or the reference's where the backend leaves it out (it names it in
-    FALLS_BACK, ``dispatch.falls_back``; tests/test_api.py checks every registered backend)."""
+    """(``backend.<name>``, backend), or the reference's and the reference where the backend leaves
+    it out (it names it in FALLS_BACK, ``dispatch.falls_back``; tests/test_api.py checks every
+    registered backend): the module that serves it decides :func:`fresh`'s alias check."""
     fn = getattr(backend, name, None)
-    return fn if fn is not None else getattr(reference, name)
+    return (fn, backend) if fn is not None else (getattr(reference, name), reference)
 
 
 def _flat(p: Optional[Tensor]) -> Optional[Tensor]:
@@ -136,7 +137,7 @@ class RowNormContract(_Restored):
     ``add_rms_norm_*``. Called with the input as made for (contiguous) or its (M, N) rows."""
 
     __slots__ = ("M", "N", "device", "eps", "is_rms", "add", "h_dtype", "x_dtype", "residual_dtype",
-                 "bias_dtype", "dropout_p", "seed", "backend", "fwd", "bwd")  # fmt: skip
+                 "bias_dtype", "dropout_p", "seed", "fwd", "fwd_by", "bwd", "bwd_by")  # fmt: skip
 
     def __init__(self, backend, rows, weight, bias, eps, is_rms, add=False, residual=None, h_dtype=None,
                  dropout_p=0.0, seed=0):  # fmt: skip
@@ -145,9 +146,10 @@ class RowNormContract(_Restored):
         self.device, self.x_dtype, self.eps, self.is_rms, self.add = rows.device, rows.dtype, eps, is_rms, add
         self.h_dtype, self.residual_dtype = h_dtype, None if residual is None else residual.dtype
         self.bias_dtype = None if bias is None else bias.dtype
-        self.dropout_p, self.seed, self.backend = dropout_p, seed, backend
+        self.dropout_p, self.seed = dropout_p, seed
         name = ("add_" if add else "") + ("rms_norm" if is_rms else "layer_norm")
-        self.fwd, self.bwd = _function(backend, name + "_fwd"), _function(backend, name + "_bwd")
+        (self.fwd, self.fwd_by), (self.bwd, self.bwd_by) = (_function(backend, name + d)
+                                                            for d in ("_fwd", "_bwd"))  # fmt: skip
 
     def forward(self, x, r, w, b):
         rows, w, b = x.view(self.M, self.N), _flat(w), _flat(b)
@@ -167,7 +169,7 @@ class RowNormContract(_Restored):
                 mean = rstd
             else:
                 y, mean, rstd = self.fwd(rows, w, b, self.eps)
-        y, h = fresh((y, h), None, (rows, r, w, b), self.backend)
+        y, h = fresh((y, h), None, (rows, r, w, b), self.fwd_by)
         return y.view(x.shape), None if h is None else h.view(x.shape), mean, rstd
 
     def run(self, x, r, w, b):
@@ -190,7 +192,7 @@ class RowNormContract(_Restored):
                 dx, dw = self.bwd(dy, rows, w, rstd)
             else:
                 dx, dw, db = self.bwd(dy, rows, w, mean, rstd, self.bias_dtype)
-        dx, dres = fresh((dx, dres), None, (dy, dh, rows, w, mean, rstd), self.backend)
+        dx, dres = fresh((dx, dres), None, (dy, dh, rows, w, mean, rstd), self.bwd_by)
         return dx.view(xn.shape), None if dres is None else dres.view(xn.shape), dw, db
 
     def _add_bwd(self, dy, dh, h, w, mean, rstd, x_dtype, residual_dtype):
@@ -214,19 +216,20 @@ class GroupNormContract(_Restored):
     """GroupNorm from the backend's ``group_norm_fwd`` / ``_bwd``: called with the input as made for
     (contiguous) or its (N, C, HW) view, contiguous or channels-last (read and written in place)."""
 
-    __slots__ = ("shape", "device", "num_groups", "eps", "bias_dtype", "backend", "fwd", "bwd")
+    __slots__ = ("shape", "device", "num_groups", "eps", "bias_dtype", "fwd", "fwd_by", "bwd", "bwd_by")
 
     def __init__(self, backend, x, weight, bias, num_groups, eps):
         super().__init__()
         self.shape, self.device, self.num_groups, self.eps = x.shape, x.device, num_groups, eps
-        self.bias_dtype, self.backend = None if bias is None else bias.dtype, backend
-        self.fwd, self.bwd = _function(backend, "group_norm_fwd"), _function(backend, "group_norm_bwd")
+        self.bias_dtype = None if bias is None else bias.dtype
+        (self.fwd, self.fwd_by), (self.bwd, self.bwd_by) = (_function(backend, f"group_norm{d}")
+                                                            for d in ("_fwd", "_bwd"))  # fmt: skip
 
     def forward(self, x, r, w, b):
         x3 = x.view(self.shape)
         with on(self.device):
             y, mean, rstd = self.fwd(x3, w, b, self.num_groups, self.eps)
-        (y,) = fresh((y,), None, (x3, w, b), self.backend)
+        (y,) = fresh((y,), None, (x3, w, b), self.fwd_by)
         return y.view(x.shape), None, mean, rstd
 
     def run(self, x, r, w, b):
@@ -237,24 +240,25 @@ class GroupNormContract(_Restored):
         dy = in_layout_of(dy.reshape(self.shape), x3)
         with self.restored(), on(self.device):
             dx, dw, db = self.bwd(dy, x3, w, mean, rstd, self.num_groups, self.bias_dtype)
-        (dx,) = fresh((dx,), None, (dy, x3, w, mean, rstd), self.backend)
+        (dx,) = fresh((dx,), None, (dy, x3, w, mean, rstd), self.bwd_by)
         return dx.view(x.shape), None, dw, db
 
 
 class SoftmaxContract(_Restored):
     """softmax / log_softmax along the last dim from the backend's ``softmax_fwd`` / ``_bwd``."""
 
-    __slots__ = ("M", "N", "device", "log", "backend", "fwd", "bwd")
+    __slots__ = ("M", "N", "device", "log", "fwd", "fwd_by", "bwd", "bwd_by")
 
     def __init__(self, backend, rows, log):
         super().__init__()
-        (self.M, self.N), self.device, self.log, self.backend = rows.shape, rows.device, log, backend
-        self.fwd, self.bwd = _function(backend, "softmax_fwd"), _function(backend, "softmax_bwd")
+        (self.M, self.N), self.device, self.log = rows.shape, rows.device, log
+        (self.fwd, self.fwd_by), (self.bwd, self.bwd_by) = (_function(backend, f"softmax{d}")
+                                                            for d in ("_fwd", "_bwd"))  # fmt: skip
 
     def forward(self, x):
         rows = x.view(self.M, self.N)
         with on(self.device):
-            (y,) = fresh((self.fwd(rows, self.log),), None, (rows,), self.backend)
+            (y,) = fresh((self.fwd(rows, self.log),), None, (rows,), self.fwd_by)
         return y.view(x.shape)
 
     run = forward
@@ -262,7 +266,7 @@ class SoftmaxContract(_Restored):
     def backward(self, dy, y):
         dy, rows = unit_stride(dy.reshape(self.M, self.N)), y.view(self.M, self.N)
         with self.restored(), on(self.device):
-            (dx,) = fresh((self.bwd(dy, rows, self.log),), None, (dy, rows), self.backend)
+            (dx,) = fresh((self.bwd(dy, rows, self.log),), None, (dy, rows), self.bwd_by)
         return dx.view(y.shape)
 
 
@@ -272,14 +276,14 @@ class BatchNormContract(_Restored):
     with the input as made for (contiguous) or its (N, C, HW) view (a channels-last input: its (N *
     HW, C, 1) view, the same memory)."""
 
-    __slots__ = ("shape", "device", "eps", "training", "bias_dtype", "backend", "train_fwd", "apply", "bwd")
+    __slots__ = ("shape", "device", "eps", "training", "bias_dtype", "fwd", "fwd_by", "bwd", "bwd_by")
 
     def __init__(self, backend, x, weight, bias, running_mean, running_var, eps, training):
         super().__init__()
         self.shape, self.device, self.eps, self.training = x.shape, x.device, eps, training
-        self.bias_dtype, self.backend = None if bias is None else bias.dtype, backend
-        self.train_fwd = _function(backend, "batch_norm_train_fwd")
-        self.apply, self.bwd = _function(backend, "batch_norm_apply"), _function(backend, "batch_norm_bwd")
+        self.bias_dtype = None if bias is None else bias.dtype
+        self.fwd, self.fwd_by = _function(backend, "batch_norm_train_fwd" if training else "batch_norm_apply")
+        self.bwd, self.bwd_by = _function(backend, "batch_norm_bwd")
 
     def forward(self, x, w, b, rm, rv, momentum):
         x3 = x.view(self.shape)
@@ -287,12 +291,12 @@ class BatchNormContract(_Restored):
             if self.training:
                 if x3.shape[0] * x3.shape[2] == 0:  # an empty batch leaves the running statistics (as torch)
                     rm = rv = None
-                y, mean, rstd = self.train_fwd(x3, w, b, self.eps, float(momentum), rm, rv, True)[:3]
+                y, mean, rstd = self.fwd(x3, w, b, self.eps, float(momentum), rm, rv, True)[:3]
             else:
                 acc = stat_dtype(x3)
                 mean, rstd = rm.detach().to(acc), torch.rsqrt(rv.detach().to(acc) + self.eps)
-                y = self.apply(x3, w, b, mean, rstd)
-        (y,) = fresh((y,), None, (x3, w, b, rm, rv), self.backend)
+                y = self.fwd(x3, w, b, mean, rstd)
+        (y,) = fresh((y,), None, (x3, w, b, rm, rv), self.fwd_by)
         return y.view(x.shape), mean, rstd
 
     def run(self, x, w, b, rm, rv, momentum):
@@ -303,7 +307,7 @@ class BatchNormContract(_Restored):
         dy = dy.reshape(self.shape).contiguous()
         with self.restored(), on(self.device):
             dx, dw, db = self.bwd(dy, x3, w, mean, rstd, self.training, self.bias_dtype)
-        (dx,) = fresh((dx,), None, (dy, x3, w, mean, rstd), self.backend)
+        (dx,) = fresh((dx,), None, (dy, x3, w, mean, rstd), self.bwd_by)
         return dx.view(x.shape), dw, db
 
 

@@ -675,3 +675,20 @@ def test_a_backend_may_leave_contract_functions_to_the_reference(monkeypatch):
     (F.group_norm(x2, 3, w2) * 2 + F.layer_norm(x2, (5,))).sum().backward()
     torch.testing.assert_close(x.grad, x2.grad)
     torch.testing.assert_close(w.grad, w2.grad)
+    # A backend that promises fresh outputs (FRESH_OUTPUTS) may still leave functions to the
+    # reference, whose outputs can alias inputs (the add-norms' h = x without a residual): those get
+    # the alias check of the module that served them, forward and backward.
+    partial.FRESH_OUTPUTS = True
+    partial.FALLS_BACK = {fn: "not written yet" for fn in ("add_layer_norm_fwd", "add_layer_norm_bwd")}
+    for fn in partial.FALLS_BACK:
+        delattr(partial, fn)
+    x, r = (torch.randn(4, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    with dispatch.use_backend("cpu", partial.__name__):
+        for _ in range(2):  # made, then remembered
+            y, h = normkit.add_layer_norm(x, None, 8, prenorm=True)
+            assert h.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+            (y + h).sum().backward()
+            y = normkit.add_layer_norm(x, r, 8)
+            y.backward(torch.randn_like(y))
+            assert x.grad.untyped_storage().data_ptr() != r.grad.untyped_storage().data_ptr()
+            x.grad = r.grad = None

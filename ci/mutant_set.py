@@ -36,9 +36,9 @@ MUTANTS = [
            '"layer_norm", input, normalized_shape, 1e-5, torch_dtypes=True',
            (LN, *_k("test_matches_reference", CUDA_I)), what="every LayerNorm uses eps = 1e-5"),
     Mutant("functional-rms_norm-rounds-fp32-weight", "normkit/functional.py", "rms_norm",
-           '_prepare("rms_norm", input, normalized_shape, eps, weight=weight)',
-           '_prepare("rms_norm", input, normalized_shape, eps, '
-           'weight=weight if weight is None else weight.to(input.dtype))',
+           '    key = plans.key("rms_norm", input, (weight,)',
+           '    weight = weight if weight is None else weight.to(input.dtype)\n'
+           '    key = plans.key("rms_norm", input, (weight,)',
            (LN, *_k("fp32_weight", CUDA_I)),
            what="an fp32 RMSNorm weight rounded to a 16-bit input's dtype"),
     Mutant("functional-softmax-wrong-dim-back", "normkit/functional.py", "_softmax",

@@ -57,6 +57,11 @@ MUTANTS = [
            ("tests/test_api.py", "-k", "remembered_contract_plans"),
            what="contract plans are made again for every call: repeated calls run the checks again"),
     # --- the CPU path (torch's operators) -------------------------------------------------------------
+    Mutant("cpu-serves-nothing", "normkit/cpu.py", "serves",
+           "return type(input) is torch.Tensor and input.is_cpu and not dispatch._IN_OVERRIDE[0]",
+           "return False",
+           ("tests/test_cpu.py", "-k", "row_norms"),
+           what="every CPU call takes normkit's full path (the reference) instead of torch's operators"),
     Mutant("cpu-add-norm-drops-residual", "normkit/cpu.py", "add_norm",
            "h = x + residual  # the common call's h", "h = x + 0 * residual  # the common call's h",
            ("tests/test_cpu.py", "-k", "add_norms"), what="h = x: the residual dropped"),

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import normkit
-from normkit import ops, reference
+from normkit import ops, plans, reference
 from normkit.errors import InvalidArgument
 from normkit.testing import (check_add_norm_case, check_batch_norm_case, check_case, check_group_norm_case,
                              check_softmax_case)  # fmt: skip
@@ -21,9 +21,12 @@ ROW_SHAPES = [(16, 4096), (1, 8), (7, 33), (3, 5, 64), (1151, 1024)]  # 1151 row
 
 @pytest.fixture
 def no_reference(monkeypatch):
-    """Fail a test whose normkit call takes the full path (normkit.ops, whose operators call the
-    backend: the reference on CPU): torch's operators must serve it. (The tests' fp64 oracle calls
-    normkit.reference directly.)"""
+    """Fail a test whose normkit call takes the full path (normkit.functional, whose plans run the
+    backend: the reference on CPU): torch's operators must serve it. Every op there looks up its
+    plan (``plans.stored``) or makes one (``plans.make``); the operators are failed too. (The tests'
+    fp64 oracle calls normkit.reference directly.)"""
+    for name in ("stored", "make"):
+        monkeypatch.setattr(plans, name, lambda *a, name=name, **k: pytest.fail(f"plans.{name} ran"))
     for name in ("layer_norm_fwd", "rms_norm_fwd", "softmax_fwd", "add_norm_fwd", "group_norm_fwd",
                  "batch_norm_train", "batch_norm_fwd", "batch_norm_stats"):  # fmt: skip
         monkeypatch.setattr(ops, name, lambda *a, name=name, **k: pytest.fail(f"ops.{name} ran"))

@@ -32,6 +32,20 @@ def no_reference(monkeypatch):
         monkeypatch.setattr(ops, name, lambda *a, name=name, **k: pytest.fail(f"ops.{name} ran"))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_rms_norm_default_eps_is_the_input_dtypes(no_reference, dtype):
+    """eps=None is torch.finfo(input.dtype).eps (as documented), also where torch's CPU kernel would
+    take its math dtype's (fp32's): rows of small values, where the two differ by 20-80%, with no
+    weight, a weight of the input's dtype and an fp32 one; add_rms_norm (h = x + 0 = x) alike."""
+    x = (torch.randn(8, 16, generator=torch.Generator().manual_seed(0)) * 0.05).to(dtype)
+    expected = F.rms_norm(x.double(), (16,), eps=torch.finfo(dtype).eps)
+    for weight in (None, torch.ones(16, dtype=dtype), torch.ones(16)):
+        zero = torch.zeros_like(x)
+        for y in (normkit.rms_norm(x, (16,), weight), normkit.add_rms_norm(x, zero, 16, weight)):
+            assert y.dtype == dtype
+            torch.testing.assert_close(y.double(), expected, atol=0, rtol=2 * torch.finfo(dtype).eps)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", ROW_SHAPES, ids=str)
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])

@@ -22,24 +22,16 @@ from torch import Tensor
 from torch.library import custom_op
 
 from normkit import dispatch, higher_order, reference
-from normkit.plans import _NONE, fresh, in_layout_of, on, unit_stride
+from normkit.plans import _NONE, contract_function, fresh, in_layout_of, on, unit_stride
 from normkit.plans import stat_dtype as _stat_dtype
 
 
 def _backend(x: Tensor, fn: str):
     """The module whose contract function ``fn`` serves x: its device's backend, or the reference
-    where x is empty or the backend does not define ``fn`` (which it names in FALLS_BACK,
-    ``dispatch.falls_back``; tests/test_api.py checks every registered backend)."""
+    where x is empty or the backend leaves ``fn`` to it (plans.contract_function)."""
     if x.numel() == 0:
         return reference
-    backend = dispatch.backend_for(x.device)
-    return backend if hasattr(backend, fn) else reference
-
-
-def _outs(outputs, like: Tensor, inputs, backend=None) -> tuple[Tensor, ...]:
-    """Output tensors: empty for None, and a copy where a backend handed back (a view of) an input
-    or of another output (plans.fresh): custom operators may not return aliases."""
-    return fresh(outputs, like, inputs, backend)
+    return contract_function(dispatch.backend_for(x.device), fn)[1]
 
 
 def _empty_grad(p: Optional[Tensor], like: Tensor) -> Tensor:
@@ -63,7 +55,7 @@ def layer_norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], 
     with on(x.device):
         backend = _backend(x, "layer_norm_fwd")
         out = backend.layer_norm_fwd(x, weight, bias, eps)
-    return _outs(out, x, (x, weight, bias), backend)
+    return fresh(out, x, (x, weight, bias), backend)
 
 
 @layer_norm_fwd.register_fake
@@ -79,7 +71,7 @@ def layer_norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor
     with on(x.device):
         backend = _backend(x, "layer_norm_bwd")
         out = backend.layer_norm_bwd(dy, x, weight, mean, rstd, bias_dtype)
-    return _outs(out, x, (dy, x, weight, mean, rstd), backend)
+    return fresh(out, x, (dy, x, weight, mean, rstd), backend)
 
 
 @layer_norm_bwd.register_fake
@@ -115,7 +107,7 @@ def rms_norm_fwd(x: Tensor, weight: Optional[Tensor], eps: float) -> tuple[Tenso
     with on(x.device):
         backend = _backend(x, "rms_norm_fwd")
         out = backend.rms_norm_fwd(x, weight, eps)
-    return _outs(out, x, (x, weight), backend)
+    return fresh(out, x, (x, weight), backend)
 
 
 @rms_norm_fwd.register_fake
@@ -129,7 +121,7 @@ def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Tensor) 
     with on(x.device):
         backend = _backend(x, "rms_norm_bwd")
         out = backend.rms_norm_bwd(dy, x, weight, rstd)
-    return _outs(out, x, (dy, x, weight, rstd), backend)
+    return fresh(out, x, (dy, x, weight, rstd), backend)
 
 
 @rms_norm_bwd.register_fake
@@ -165,7 +157,7 @@ def softmax_fwd(x: Tensor, log: bool) -> Tensor:
     """(M, N) rows -> softmax (log_softmax when ``log``) of each row."""
     with on(x.device):
         backend = _backend(x, "softmax_fwd")
-        return _outs((backend.softmax_fwd(x, log),), x, (x,), backend)[0]
+        return fresh((backend.softmax_fwd(x, log),), x, (x,), backend)[0]
 
 
 @softmax_fwd.register_fake
@@ -177,7 +169,7 @@ def _(x, log):
 def softmax_bwd(dy: Tensor, y: Tensor, log: bool) -> Tensor:
     with on(y.device):
         backend = _backend(y, "softmax_bwd")
-        return _outs((backend.softmax_bwd(dy, y, log),), y, (dy, y), backend)[0]
+        return fresh((backend.softmax_bwd(dy, y, log),), y, (dy, y), backend)[0]
 
 
 @softmax_bwd.register_fake
@@ -220,7 +212,7 @@ def add_norm_fwd(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor]
     # Statistics in x's math dtype on every backend (the reference would follow h's).
     stat = _stat_dtype(x)
     mean = None if mean is None else mean.to(stat)
-    return _outs((y, h, mean, rstd.to(stat)), x, ins, backend)
+    return fresh((y, h, mean, rstd.to(stat)), x, ins, backend)
 
 
 @add_norm_fwd.register_fake
@@ -244,7 +236,7 @@ def add_norm_bwd(dy: Tensor, dh: Optional[Tensor], h: Tensor, weight: Optional[T
             db = None
         else:
             dx, dres, dw, db = backend.add_layer_norm_bwd(dy, dh, h, weight, mean, rstd, bias_dtype, *drop)
-    return _outs((dx, dres, dw, db), h, (dy, dh, h, weight, mean, rstd), backend)
+    return fresh((dx, dres, dw, db), h, (dy, dh, h, weight, mean, rstd), backend)
 
 
 @add_norm_bwd.register_fake
@@ -302,7 +294,7 @@ def group_norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], 
     with on(x.device):
         backend = _backend(x, "group_norm_fwd")
         out = backend.group_norm_fwd(x, weight, bias, num_groups, eps)
-    return _outs(out, x, (x, weight, bias), backend)
+    return fresh(out, x, (x, weight, bias), backend)
 
 
 @group_norm_fwd.register_fake
@@ -319,7 +311,7 @@ def group_norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor
     with on(x.device):
         backend = _backend(x, "group_norm_bwd")
         out = backend.group_norm_bwd(dy, x, weight, mean, rstd, num_groups, bias_dtype)
-    return _outs(out, x, (dy, x, weight, mean, rstd), backend)
+    return fresh(out, x, (dy, x, weight, mean, rstd), backend)
 
 
 @group_norm_bwd.register_fake
@@ -361,7 +353,7 @@ def batch_norm_stats(x: Tensor, eps: float, momentum: float, running_mean: Optio
     (training=True) accounts for the statistics' gradient."""
     with on(x.device):
         backend = _backend(x, "batch_norm_stats")
-        return _outs(backend.batch_norm_stats(x, eps, momentum, running_mean, running_var), x, (x,), backend)
+        return fresh(backend.batch_norm_stats(x, eps, momentum, running_mean, running_var), x, (x,), backend)
 
 
 @batch_norm_stats.register_fake
@@ -377,7 +369,7 @@ def batch_norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], 
     with on(x.device):
         backend = _backend(x, "batch_norm_apply")
         y = backend.batch_norm_apply(x, weight, bias, mean, rstd)
-        return _outs((y,), x, (x, weight, bias), backend)[0]
+        return fresh((y,), x, (x, weight, bias), backend)[0]
 
 
 @batch_norm_fwd.register_fake
@@ -393,7 +385,7 @@ def batch_norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor
     with on(x.device):
         backend = _backend(x, "batch_norm_bwd")
         out = backend.batch_norm_bwd(dy, x, weight, mean, rstd, training, bias_dtype)
-    return _outs(out, x, (dy, x, weight, mean, rstd), backend)
+    return fresh(out, x, (dy, x, weight, mean, rstd), backend)
 
 
 @batch_norm_bwd.register_fake
@@ -432,7 +424,7 @@ def batch_norm_train(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor]
     with on(x.device):
         backend = _backend(x, "batch_norm_train_fwd")
         out = backend.batch_norm_train_fwd(x, weight, bias, eps, momentum, running_mean, running_var, False)
-    return _outs(out, x, (x, weight, bias, running_mean, running_var), backend)
+    return fresh(out, x, (x, weight, bias, running_mean, running_var), backend)
 
 
 @batch_norm_train.register_fake

@@ -100,7 +100,7 @@ def in_layout_of(dy: Tensor, x: Tensor) -> Tensor:
     return dy if dy.stride() == x.stride() else torch.empty_like(x, dtype=dy.dtype).copy_(dy)
 
 
-def _function(backend, name: str):
+def contract_function(backend, name: str):
     """(``backend.<name>``, backend), or the reference's and the reference where the backend leaves
     it out (it names it in FALLS_BACK, ``dispatch.falls_back``; tests/test_api.py checks every
     registered backend): the module that serves it decides :func:`fresh`'s alias check."""
@@ -148,7 +148,7 @@ class RowNormContract(_Restored):
         self.bias_dtype = None if bias is None else bias.dtype
         self.dropout_p, self.seed = dropout_p, seed
         name = ("add_" if add else "") + ("rms_norm" if is_rms else "layer_norm")
-        (self.fwd, self.fwd_by), (self.bwd, self.bwd_by) = (_function(backend, name + d)
+        (self.fwd, self.fwd_by), (self.bwd, self.bwd_by) = (contract_function(backend, name + d)
                                                             for d in ("_fwd", "_bwd"))  # fmt: skip
 
     def forward(self, x, r, w, b):
@@ -222,7 +222,7 @@ class GroupNormContract(_Restored):
         super().__init__()
         self.shape, self.device, self.num_groups, self.eps = x.shape, x.device, num_groups, eps
         self.bias_dtype = None if bias is None else bias.dtype
-        (self.fwd, self.fwd_by), (self.bwd, self.bwd_by) = (_function(backend, f"group_norm{d}")
+        (self.fwd, self.fwd_by), (self.bwd, self.bwd_by) = (contract_function(backend, f"group_norm{d}")
                                                             for d in ("_fwd", "_bwd"))  # fmt: skip
 
     def forward(self, x, r, w, b):
@@ -252,7 +252,7 @@ class SoftmaxContract(_Restored):
     def __init__(self, backend, rows, log):
         super().__init__()
         (self.M, self.N), self.device, self.log = rows.shape, rows.device, log
-        (self.fwd, self.fwd_by), (self.bwd, self.bwd_by) = (_function(backend, f"softmax{d}")
+        (self.fwd, self.fwd_by), (self.bwd, self.bwd_by) = (contract_function(backend, f"softmax{d}")
                                                             for d in ("_fwd", "_bwd"))  # fmt: skip
 
     def forward(self, x):
@@ -282,8 +282,9 @@ class BatchNormContract(_Restored):
         super().__init__()
         self.shape, self.device, self.eps, self.training = x.shape, x.device, eps, training
         self.bias_dtype = None if bias is None else bias.dtype
-        self.fwd, self.fwd_by = _function(backend, "batch_norm_train_fwd" if training else "batch_norm_apply")
-        self.bwd, self.bwd_by = _function(backend, "batch_norm_bwd")
+        fwd = "batch_norm_train_fwd" if training else "batch_norm_apply"
+        self.fwd, self.fwd_by = contract_function(backend, fwd)
+        self.bwd, self.bwd_by = contract_function(backend, "batch_norm_bwd")
 
     def forward(self, x, w, b, rm, rv, momentum):
         x3 = x.view(self.shape)
@@ -425,17 +426,22 @@ def _plan_args(ctx):
     return rows, args
 
 
+def _row_norm_forward(ctx, plan, x, weight, bias):
+    """The training plan's forward, with what its backward needs saved on ``ctx`` -> (y, mean, rstd)."""
+    y, _, mean, rstd = plan.forward(x, None, weight, bias)
+    ctx.save_for_backward(x, weight, mean, rstd)
+    ctx.plan, ctx.shape = plan, _params_shape(weight, bias)
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    return y, mean, rstd
+
+
 class _PlannedRowNorm(torch.autograd.Function):
     """LayerNorm / RMSNorm or GroupNorm (the same protocol) from a training plan: the plan's forward
     (statistics written) and backward, with no operator, dispatch or argument handling."""
 
     @staticmethod
     def forward(ctx, plan, x, weight, bias):
-        y, _, mean, rstd = plan.forward(x, None, weight, bias)
-        ctx.save_for_backward(x, weight, mean, rstd)
-        ctx.plan, ctx.shape = plan, _params_shape(weight, bias)
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        return y
+        return _row_norm_forward(ctx, plan, x, weight, bias)[0]
 
     @staticmethod
     def backward(ctx, dy):
@@ -461,10 +467,7 @@ class _PlannedRowNormStats(torch.autograd.Function):
     @staticmethod
     def forward(ctx, plan, x, weight, bias):
         ctx.set_materialize_grads(False)
-        y, _, mean, rstd = plan.forward(x, None, weight, bias)
-        ctx.save_for_backward(x, weight, mean, rstd)
-        ctx.plan, ctx.shape = plan, _params_shape(weight, bias)
-        ctx.bias_dtype = None if bias is None else bias.dtype
+        y, mean, rstd = _row_norm_forward(ctx, plan, x, weight, bias)
         ctx.mark_non_differentiable(mean, rstd)
         return y, mean, rstd
 

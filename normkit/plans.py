@@ -373,6 +373,7 @@ def make(key, backend, family: str, op: str, rows: Tensor, *args, contract=(), t
     plan = None
     if key is not None and (maker := getattr(backend, f"plan_{family}", None)) is not None:
         plan = maker(rows, *args, grad=True) if train else maker(rows, *args)
+    own = plan is not None
     if plan is None:
         made = _CONTRACT[family](backend, rows, *args, *contract)
         plan = (made.forward, made.backward, made.keep_scale if family == "row_norm" else None) if train \
@@ -380,6 +381,8 @@ def make(key, backend, family: str, op: str, rows: Tensor, *args, contract=(), t
     if train:
         scalars = tuple(None if isinstance(a, Tensor) else a for a in args)  # no tensor kept alive
         plan = _TRAINING[op](*plan, spec=(op, tuple(rows.shape), scalars))
+    if own and (accelerate := getattr(backend, "accelerate", None)) is not None:
+        plan = accelerate(plan, op, train)  # the backend's host path for its own plans (CUDA: native.py)
     if key is not None:
         if len(_PLANS) >= PLANS_SIZE:
             _PLANS.clear()

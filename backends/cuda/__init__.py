@@ -25,6 +25,7 @@ from normkit.backends.cuda.layer_norm import (
     rms_norm_bwd,
     rms_norm_fwd,
 )
+from normkit.backends.cuda.native import accelerate
 from normkit.backends.cuda.softmax import plan_softmax, softmax_bwd, softmax_fwd
 
 NAME = "cuda"
@@ -57,4 +58,5 @@ __all__ = [
     "plan_softmax",
     "plan_group_norm",
     "plan_batch_norm",
+    "accelerate",  # optional: the backend's own plans replayed from C++ where built (native.py)
 ]

@@ -160,3 +160,37 @@ def direct_launch_ok(kernel) -> bool:
     if "direct launch" in _DISABLED:
         return False
     return all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata"))
+
+
+# Parameter types of a compiled kernel the native host path (native.py) passes itself: pointers,
+# 32/64-bit ints, fp32 (what Triton gives a Python float).
+_NATIVE_TYPES = ("i32", "i64", "u64", "fp32")
+
+
+def native_launch(kernel) -> tuple:
+    """``(function, threads, shared, types)`` for launching ``kernel`` (a ``CompiledKernel`` launched
+    once) from C++ with cuLaunchKernel: its CUfunction, threads a program, dynamic shared memory and
+    the type of each kernel parameter in order (``"constexpr"`` for those the launcher leaves out).
+    Raises ValueError naming what the plain launch has that it would lose (clusters, cooperative or
+    PDL launches, scratch memory, tensor descriptors, a parameter type it does not pass)."""
+    md = kernel.metadata
+    why = [name for name, bad in (
+        ("a cluster", getattr(md, "num_ctas", 1) != 1 or tuple(getattr(md, "cluster_dims", (1, 1, 1))) != (1, 1, 1)),
+        ("a cooperative launch", getattr(md, "launch_cooperative_grid", False)),
+        ("a PDL launch", getattr(md, "launch_pdl", False)),
+        ("global scratch", getattr(md, "global_scratch_size", 0)),
+        ("profile scratch", getattr(md, "profile_scratch_size", 0)),
+        ("tensor descriptors", getattr(md, "tensordesc_meta", None)),
+        ("no CUfunction", not getattr(kernel, "function", None)),
+    ) if bad]  # fmt: skip
+    signature = getattr(getattr(kernel, "src", None), "signature", None)
+    if not isinstance(signature, dict):
+        why.append("no signature")
+    else:
+        odd = [t for t in signature.values() if t != "constexpr" and not (isinstance(t, str) and t.startswith("*"))
+               and t not in _NATIVE_TYPES]  # fmt: skip
+        if odd:
+            why.append(f"parameter types {odd}")
+    if why:
+        raise ValueError(f"{kernel.name}: {', '.join(why)}")
+    return kernel.function, md.num_warps * 32, md.shared, list(signature.values())

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import threading
 
 import torch
 import triton
@@ -43,6 +44,9 @@ _CACHE: dict = {}  # key -> (compiled kernel, resolved trailing kernel arguments
 CACHE_SIZE = 4096  # compiled kernels remembered (all specializations of all kernels); then cleared
 # Check each keyed launch against the full key (tests; env NORMKIT_CHECK_LAUNCH_KEYS=1 at import).
 CHECK_KEYS = os.environ.get("NORMKIT_CHECK_LAUNCH_KEYS", "") == "1"
+# While native.py records a plan: (thread ident, list); each launch on that thread appends
+# (cache entry, grid, args) for a direct one, None for any other (the recording is then refused).
+TRACE: tuple | None = None
 # Tests (tests/conftest.py under NORMKIT_RECORD_LAUNCHES, for ci/gpu_smoke.py) set a set here: each
 # launch adds (test, kernel, dtype class, op flags, path) to it. None: nothing is recorded.
 RECORD: set | None = None
@@ -109,6 +113,8 @@ def launch(fn, grid: tuple, *args, key: tuple | None = None, **meta):
     the caller guarantees to determine ``_spec(args)`` and ``meta`` for ``fn`` (checked under
     :data:`CHECK_KEYS`); without it the key is built from the arguments. Returns the cache entry
     used (for :class:`Bound`), None when there is none (interpreter, first launch of a key)."""
+    if TRACE is not None:
+        _trace(None)
     if not isinstance(fn, JITFunction):
         if RECORD is not None:
             _record(fn, args, meta, "interpreter" if os.environ.get("TRITON_INTERPRET") == "1" else "plain")
@@ -135,6 +141,18 @@ def launch(fn, grid: tuple, *args, key: tuple | None = None, **meta):
         _check(cached, key, args, meta)
     _run(cached, (*grid, 1, 1), device, args)
     return cached
+
+
+def _trace(entry) -> None:
+    if TRACE is not None and TRACE[0] == threading.get_ident():
+        TRACE[1].append(entry)
+
+
+def quiet() -> bool:
+    """Whether launches may skip this module: no launch being recorded for tests (:data:`RECORD`) and
+    no Triton launch hook (a profiler) set."""
+    runtime = triton.knobs.runtime
+    return RECORD is None and _active(runtime.launch_enter_hook) is None and _active(runtime.launch_exit_hook) is None
 
 
 def _check(cached, key, args, meta) -> None:
@@ -191,5 +209,7 @@ class Bound:
             _check(self.cached, ("bound",), args, self.meta)
         if RECORD is not None:
             _record(self.fn, args, self.meta, "bound")
+        if TRACE is not None:
+            _trace((self.cached, self.g, args))
         _run(self.cached, self.g, device, args)
         return None

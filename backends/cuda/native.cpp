@@ -1,0 +1,331 @@
+// The native host path of the CUDA plans (backends/cuda/native.py): a plan's launches replayed from
+// C++, and its training step as a C++ autograd node, so that a call costs one Python -> C++ call
+// and its backward no Python at all.
+//
+// A Program is what native.py recorded from one run of a plan: the tensors it allocates (shape,
+// dtype, zeroed or not), the compiled Triton kernels it launches (CUfunction, grid, threads, dynamic
+// shared memory) and each kernel parameter as a slot's address (+ a byte offset), or a fixed int /
+// float. Slots 0 .. n_inputs-1 are the call's tensors, the next ones the allocations. run() allocates
+// on the device of its first input and launches on that device's current stream with the driver's
+// cuLaunchKernel (looked up in the already loaded libcuda: nothing is linked). The parameter list is
+// checked once against the cubin's own (cuFuncGetParamInfo): a Triton release whose launcher passes
+// something else (a scratch pointer) gets NULL there; any other mismatch refuses the program.
+//
+// Node: a training plan as a torch::autograd::Function. forward runs the forward program, saves the
+// tensors the backward needs, returns the differentiable outputs. backward runs the backward program
+// chosen by which incoming gradients are defined; with create_graph (grad mode on), an undefined
+// first gradient or no program for the variant yet, it calls the plan's Python backward (under the
+// GIL), which is differentiable again and records the missing variant.
+
+#include <torch/extension.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <dlfcn.h>
+
+#include <array>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace py = pybind11;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+namespace {
+
+// --- the driver: three entry points of libcuda, found at run time ---------------------------------
+using LaunchFn = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*,
+                         void**, void**);
+using ParamInfoFn = int (*)(void*, size_t, size_t*, size_t*);
+using ErrorFn = int (*)(int, const char**);
+
+struct Driver {
+  LaunchFn launch = nullptr;
+  ParamInfoFn param_info = nullptr;
+  ErrorFn error = nullptr;
+};
+
+const Driver& driver() {
+  static Driver d = [] {
+    Driver out;
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    if (lib == nullptr) lib = dlopen("libcuda.so.1", RTLD_NOW);
+    TORCH_CHECK(lib != nullptr, "normkit native: libcuda.so.1 is not loadable: ", dlerror());
+    out.launch = reinterpret_cast<LaunchFn>(dlsym(lib, "cuLaunchKernel"));
+    out.param_info = reinterpret_cast<ParamInfoFn>(dlsym(lib, "cuFuncGetParamInfo"));
+    out.error = reinterpret_cast<ErrorFn>(dlsym(lib, "cuGetErrorString"));
+    TORCH_CHECK(out.launch != nullptr, "normkit native: libcuda has no cuLaunchKernel");
+    return out;
+  }();
+  return d;
+}
+
+std::string driver_error(int code) {
+  const char* text = nullptr;
+  if (driver().error != nullptr) driver().error(code, &text);
+  return std::to_string(code) + " (" + (text ? text : "unknown") + ")";
+}
+
+// --- programs ------------------------------------------------------------------------------------
+enum Kind : int64_t { PTR = 0, I32 = 1, I64 = 2, F32 = 3, NUL = 4, U64 = 5, F64 = 6 };
+
+struct Param {
+  int64_t kind;
+  int64_t a;  // PTR: slot; I32 / I64 / U64: the value
+  int64_t b;  // PTR: byte offset
+  double f;   // F32 / F64: the value
+};
+
+size_t param_size(int64_t kind) { return (kind == I32 || kind == F32) ? 4 : 8; }
+
+struct Launch {
+  void* function;
+  std::array<unsigned, 3> grid;
+  unsigned threads;
+  unsigned shared;
+  std::vector<Param> params;
+};
+
+struct Alloc {
+  int64_t slot;
+  std::vector<int64_t> shape;
+  at::ScalarType dtype;
+  bool zero;
+};
+
+struct Program : torch::CustomClassHolder {
+  int64_t n_inputs = 0, n_slots = 0;
+  std::vector<Alloc> allocs;
+  std::vector<Launch> launches;
+  std::vector<int64_t> outputs;  // slot of each output, -1: None
+
+  std::vector<at::Tensor> run(std::vector<at::Tensor> slots) const {
+    TORCH_CHECK(static_cast<int64_t>(slots.size()) == n_inputs, "normkit native: program of ", n_inputs,
+                " inputs given ", slots.size());
+    const at::Tensor first = slots[0];  // a copy: the resize below moves the slots
+    c10::Device device = first.device();
+    c10::impl::VirtualGuardImpl impl(device.type());
+    std::optional<c10::DeviceGuard> guard;
+    if (impl.getDevice() != device) guard.emplace(device);
+    slots.resize(n_slots);
+    auto options = first.options();
+    for (const Alloc& a : allocs) {
+      auto o = options.dtype(a.dtype);
+      slots[a.slot] = a.zero ? at::zeros(a.shape, o) : at::empty(a.shape, o);
+    }
+    void* stream = launches.empty() ? nullptr : impl.getStream(device).native_handle();
+    std::vector<uint64_t> values;
+    std::vector<void*> pointers;
+    for (const Launch& l : launches) {
+      values.assign(l.params.size(), 0);
+      pointers.resize(l.params.size());
+      for (size_t i = 0; i < l.params.size(); ++i) {
+        const Param& p = l.params[i];
+        void* at = &values[i];
+        switch (p.kind) {
+          case PTR: {
+            const at::Tensor& t = slots[p.a];
+            uint64_t address = t.defined() ? reinterpret_cast<uint64_t>(t.data_ptr()) + p.b : 0;
+            values[i] = address;
+            break;
+          }
+          case I32: *static_cast<int32_t*>(at) = static_cast<int32_t>(p.a); break;
+          case I64: case U64: values[i] = static_cast<uint64_t>(p.a); break;
+          case F32: *static_cast<float*>(at) = static_cast<float>(p.f); break;
+          case F64: *static_cast<double*>(at) = p.f; break;
+          default: values[i] = 0;
+        }
+        pointers[i] = at;
+      }
+      int rc = driver().launch(l.function, l.grid[0], l.grid[1], l.grid[2], l.threads, 1, 1, l.shared, stream,
+                               pointers.data(), nullptr);
+      TORCH_CHECK(rc == 0, "normkit native: cuLaunchKernel failed: ", driver_error(rc));
+    }
+    std::vector<at::Tensor> out;
+    out.reserve(outputs.size());
+    for (int64_t s : outputs) out.push_back(s < 0 ? at::Tensor() : slots[s]);
+    return out;
+  }
+};
+
+// Program from native.py's lists; checks every launch's parameters against its cubin.
+c10::intrusive_ptr<Program> make_program(int64_t n_inputs, int64_t n_slots, py::list allocs, py::list launches,
+                                         std::vector<int64_t> outputs) {
+  auto p = c10::make_intrusive<Program>();
+  p->n_inputs = n_inputs;
+  p->n_slots = n_slots;
+  p->outputs = std::move(outputs);
+  for (auto item : allocs) {
+    auto t = item.cast<py::tuple>();
+    p->allocs.push_back({t[0].cast<int64_t>(), t[1].cast<std::vector<int64_t>>(),
+                         torch::python::detail::py_object_to_dtype(py::object(t[2])), t[3].cast<bool>()});
+  }
+  for (auto item : launches) {
+    auto t = item.cast<py::tuple>();
+    Launch l;
+    l.function = reinterpret_cast<void*>(t[0].cast<uint64_t>());
+    auto g = t[1].cast<std::vector<int64_t>>();
+    TORCH_CHECK(g.size() == 3, "normkit native: a grid has 3 entries");
+    l.grid = {static_cast<unsigned>(g[0]), static_cast<unsigned>(g[1]), static_cast<unsigned>(g[2])};
+    l.threads = t[2].cast<unsigned>();
+    l.shared = t[3].cast<unsigned>();
+    for (auto q : t[4].cast<py::list>()) {
+      auto v = q.cast<py::tuple>();
+      l.params.push_back({v[0].cast<int64_t>(), v[1].cast<int64_t>(), v[2].cast<int64_t>(), v[3].cast<double>()});
+    }
+    // the cubin's own parameter list: ours must match it; trailing 8-byte ones (Triton's scratch
+    // pointers) get NULL
+    TORCH_CHECK(driver().param_info != nullptr, "normkit native: the driver has no cuFuncGetParamInfo");
+    size_t offset = 0, size = 0, end = 0;
+    for (size_t i = 0;; ++i) {
+      int rc = driver().param_info(l.function, i, &offset, &size);
+      if (rc != 0) {
+        TORCH_CHECK(i >= l.params.size(), "normkit native: the kernel has ", i, " parameters, the plan ",
+                    l.params.size());
+        break;
+      }
+      if (i >= l.params.size()) {
+        TORCH_CHECK(size == 8 && i < l.params.size() + 4, "normkit native: unexpected kernel parameter ", i,
+                    " of ", size, " bytes");
+        l.params.push_back({NUL, 0, 0, 0.0});
+      }
+      TORCH_CHECK(param_size(l.params[i].kind) == size, "normkit native: kernel parameter ", i, " is ", size,
+                  " bytes, the plan's ", param_size(l.params[i].kind));
+      TORCH_CHECK(offset >= end, "normkit native: kernel parameters out of order");
+      end = offset + size;
+    }
+    p->launches.push_back(std::move(l));
+  }
+  return p;
+}
+
+// --- the autograd node -------------------------------------------------------------------------
+struct Spec : torch::CustomClassHolder {
+  c10::intrusive_ptr<Program> forward;
+  std::array<c10::intrusive_ptr<Program>, 2> backward;  // by whether the second gradient is defined
+  std::vector<int64_t> returned;       // forward outputs returned (differentiable)
+  std::vector<int64_t> saved;          // saved tensors: >= 0 forward input i, < 0 forward output -1 - i
+  std::vector<at::ScalarType> grad_dtypes;  // the backward's incoming gradients, as the program takes them
+  PyObject* slow = nullptr;            // the plan's Python backward: slow(grads, saved) -> input grads
+  std::mutex lock;
+
+  ~Spec() override {
+    if (slow != nullptr && Py_IsInitialized()) {
+      py::gil_scoped_acquire gil;
+      Py_DECREF(slow);
+    }
+  }
+};
+
+at::Tensor dense(const at::Tensor& g, at::ScalarType dtype) {
+  if (g.scalar_type() == dtype && g.is_contiguous() && reinterpret_cast<uint64_t>(g.data_ptr()) % 16 == 0) {
+    return g;
+  }
+  return g.to(dtype, /*non_blocking=*/false, /*copy=*/true, at::MemoryFormat::Contiguous);
+}
+
+using Opt = std::optional<at::Tensor>;
+
+struct Node : public torch::autograd::Function<Node> {
+  // inputs as optionals (an absent one is no autograd input); the program takes the first n_inputs
+  static variable_list forward(AutogradContext* ctx, c10::intrusive_ptr<Spec> spec, const Opt& a, const Opt& b,
+                               const Opt& c, const Opt& d) {
+    ctx->set_materialize_grads(false);
+    std::vector<at::Tensor> in;
+    for (const Opt* t : {&a, &b, &c, &d}) in.push_back(t->has_value() ? **t : at::Tensor());
+    in.resize(spec->forward->n_inputs);
+    auto outs = spec->forward->run(in);
+    variable_list saved;
+    for (int64_t s : spec->saved) saved.push_back(s >= 0 ? in[s] : outs[-1 - s]);
+    ctx->save_for_backward(saved);
+    ctx->saved_data["spec"] = c10::IValue::make_capsule(spec);
+    ctx->saved_data["inputs"] = static_cast<int64_t>(in.size());
+    for (size_t i = 0; i < in.size(); ++i) {
+      ctx->saved_data["sizes" + std::to_string(i)] = in[i].defined() ? c10::IValue(in[i].sizes()) : c10::IValue();
+    }
+    variable_list returned;
+    for (int64_t r : spec->returned) returned.push_back(outs[r]);
+    return returned;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto spec = c10::static_intrusive_pointer_cast<Spec>(ctx->saved_data["spec"].toCapsule());
+    auto saved = ctx->get_saved_variables();
+    size_t n_in = static_cast<size_t>(ctx->saved_data["inputs"].toInt());
+    c10::intrusive_ptr<Program> program;
+    bool fast = !at::GradMode::is_enabled() && !grads.empty() && grads[0].defined();
+    if (fast) {
+      size_t variant = grads.size() > 1 && grads[1].defined();
+      std::lock_guard<std::mutex> hold(spec->lock);
+      program = spec->backward[variant];
+    }
+    variable_list result;
+    if (program) {
+      std::vector<at::Tensor> in;
+      for (size_t i = 0; i < spec->grad_dtypes.size(); ++i) {
+        in.push_back(i < grads.size() && grads[i].defined() ? dense(grads[i], spec->grad_dtypes[i]) : at::Tensor());
+      }
+      in.insert(in.end(), saved.begin(), saved.end());
+      result = program->run(in);
+    } else {  // the plan's Python backward
+      py::gil_scoped_acquire gil;
+      py::list g, s;
+      for (auto& t : grads) g.append(t.defined() ? py::cast(t) : py::none());
+      for (auto& t : saved) s.append(t.defined() ? py::cast(t) : py::none());
+      py::object out = py::reinterpret_borrow<py::object>(spec->slow)(g, s);
+      for (auto item : out) result.push_back(item.is_none() ? at::Tensor() : item.cast<at::Tensor>());
+    }
+    TORCH_CHECK(result.size() == n_in, "normkit native: the backward gave ", result.size(), " gradients for ", n_in,
+                " inputs");
+    variable_list out(5);  // the spec's, then one per input slot (undefined past n_in)
+    for (size_t i = 0; i < n_in; ++i) {
+      at::Tensor g = result[i];
+      const c10::IValue& sizes = ctx->saved_data["sizes" + std::to_string(i)];
+      if (sizes.isNone()) continue;  // no such input: no gradient
+      if (g.defined()) {
+        auto want = sizes.toIntVector();
+        if (g.sizes() != c10::IntArrayRef(want)) g = g.view(want);
+      }
+      out[1 + i] = g;
+    }
+    return out;
+  }
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "normkit's native host path for CUDA plans (backends/cuda/native.py)";
+  py::class_<Program, c10::intrusive_ptr<Program>>(m, "Program")
+      .def("__call__", [](const Program& p, std::vector<std::optional<at::Tensor>> inputs) {
+        std::vector<at::Tensor> in;
+        for (auto& t : inputs) in.push_back(t.has_value() ? *t : at::Tensor());
+        return p.run(in);
+      });
+  m.def("program", &make_program, "A program from native.py's recorded allocations, launches and outputs");
+  py::class_<Spec, c10::intrusive_ptr<Spec>>(m, "Spec")
+      .def("set_backward", [](Spec& s, int64_t variant, c10::intrusive_ptr<Program> p) {
+        std::lock_guard<std::mutex> hold(s.lock);
+        s.backward.at(variant) = p;
+      });
+  m.def("spec", [](c10::intrusive_ptr<Program> forward, std::vector<int64_t> returned, std::vector<int64_t> saved,
+                   py::list grad_dtypes, py::object slow) {
+    auto s = c10::make_intrusive<Spec>();
+    s->forward = forward;
+    s->returned = std::move(returned);
+    s->saved = std::move(saved);
+    for (auto d : grad_dtypes) s->grad_dtypes.push_back(torch::python::detail::py_object_to_dtype(
+        py::reinterpret_borrow<py::object>(d)));
+    s->slow = slow.release().ptr();
+    return s;
+  });
+  m.def("apply", [](c10::intrusive_ptr<Spec> spec, std::vector<Opt> inputs) {
+    TORCH_CHECK(inputs.size() <= 4, "normkit native: at most 4 inputs");
+    inputs.resize(4);
+    return Node::apply(spec, inputs[0], inputs[1], inputs[2], inputs[3]);
+  });
+}

@@ -1,0 +1,431 @@
+"""The native host path: a CUDA plan's launches replayed from C++ (native.cpp), its training step a
+C++ autograd node.
+
+Why: a remembered plan still costs Python per call (the plan's closure, ``launch.Bound``, Triton's
+launcher) and, in training, a Python ``autograd.Function`` whose backward the autograd engine runs
+by taking the GIL; on the H100 host that put normkit's per-call host time at 1.2-2.3x torch eager's
+(docs/performance.md). With this path a call is one Python -> C++ call and a backward no Python.
+
+How: the second time a plan (or one backward variant of it) runs, it runs *recorded*
+(:func:`record`): every tensor it allocates (a ``TorchFunctionMode`` sees the factory calls) and
+every kernel it launches (``launch.TRACE``: the compiled kernel, grid and arguments of each direct
+launch) are written down, and each kernel argument becomes a slot's address (an input of the call
+or an allocation, + an offset) or a fixed int / float. A remembered plan's call signature fixes its
+shapes, dtypes, launch choices and scalars, so the same program serves every later call;
+``native.cpp`` runs it. Anything the recording cannot replay exactly (a launch not through a bound
+kernel, a tensor op that computes, a tensor the plan did not allocate, a kernel parameter of a kind
+it does not pass: ``compat.native_launch``) refuses it, and that plan keeps its Python path.
+Dropout plans are never remembered (their seed changes per call), so they are never recorded.
+
+When: the extension is compiled once per torch / Python / source (``normkit native``, about a
+minute; a C++ compiler and ninja, no CUDA toolkit: the driver is looked up at run time) into
+``$NORMKIT_NATIVE_DIR`` (default ``~/.cache/normkit/native``). By default a process uses it when
+it is built and never compiles it by itself; ``NORMKIT_NATIVE=build`` builds it on first use,
+``NORMKIT_NATIVE=0`` turns the path off. Launch hooks (profilers) and the tests' launch recording
+(``launch.RECORD``) send calls back to the Python path, which calls them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import sys
+import threading
+import weakref
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from normkit import plans
+from normkit.backends.cuda import compat, launch
+
+SOURCE = Path(__file__).with_name("native.cpp")
+_STATE: dict = {}  # "module": the loaded extension or None, "why": why there is none
+_LOCK = threading.Lock()
+# the op families with a native path: their plans' protocols are known here (plans.py)
+OPS = ("layer_norm", "rms_norm", "group_norm", "add_layer_norm", "add_rms_norm", "softmax", "log_softmax")
+
+
+# --- the extension ---------------------------------------------------------------------------------
+
+
+def build_dir() -> Path:
+    """Where the extension for this torch, Python and source is (to be) compiled."""
+    root = Path(os.environ.get("NORMKIT_NATIVE_DIR") or Path.home() / ".cache" / "normkit" / "native")
+    return root / name()
+
+
+def name() -> str:
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(f"{torch.__version__} {sys.version_info[:2]} {sys.platform}".encode())
+    return f"normkit_native_{digest.hexdigest()[:16]}"
+
+
+def module(build: bool | None = None):
+    """The compiled extension, or None (:func:`why` says why). ``build``: compile it if it is not
+    there (default: only under ``NORMKIT_NATIVE=build``)."""
+    if "module" in _STATE and not (build and _STATE["module"] is None):
+        return _STATE["module"]
+    with _LOCK:
+        mode = os.environ.get("NORMKIT_NATIVE", "auto")
+        if mode == "0":
+            _STATE.update(module=None, why="NORMKIT_NATIVE=0")
+            return None
+        build = mode == "build" if build is None else build
+        path = build_dir() / f"{name()}.so"
+        try:
+            if path.exists():
+                spec = importlib.util.spec_from_file_location(name(), path)
+                found = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(found)
+            elif build:
+                from torch.utils import cpp_extension
+
+                build_dir().mkdir(parents=True, exist_ok=True)
+                found = cpp_extension.load(name(), [str(SOURCE)], extra_cflags=["-O2"],
+                                           build_directory=str(build_dir()), verbose=False)  # fmt: skip
+            else:
+                _STATE.update(module=None, why=f"not built ({path}): run `normkit native`")
+                return None
+        except Exception as e:  # no compiler, no ninja, a torch without headers: the Python path serves
+            _STATE.update(module=None, why=f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}")
+            return None
+        _STATE.update(module=found, why=None)
+        return found
+
+
+def why() -> str | None:
+    """Why :func:`module` is None (None when it is loaded or was not looked for yet)."""
+    return _STATE.get("why")
+
+
+def reset() -> None:
+    """Forget the loaded extension (tests; the next plan looks again)."""
+    _STATE.clear()
+
+
+# --- recording a plan ------------------------------------------------------------------------------
+
+_FACTORIES = {torch.empty: False, torch.empty_like: False, torch.zeros: True, torch.zeros_like: True}
+# tensor functions a plan may call that neither compute nor allocate (the launch arguments' views
+# are found by address, so a view that copied would be refused there)
+_QUERIES = {"__get__", "view", "unbind", "__iter__", "__getitem__", "select", "stride", "size", "dim",
+            "numel", "element_size", "data_ptr", "is_contiguous", "new_empty"}  # fmt: skip
+
+
+class Refused(Exception):
+    """A plan that cannot be replayed from C++ (its Python path serves)."""
+
+
+class _Allocations(TorchFunctionMode):
+    """Every tensor allocated in the block, with whether it was zeroed; ``other``: the first tensor
+    function that is neither an allocation nor a query."""
+
+    def __init__(self):
+        super().__init__()
+        self.made, self.other = [], None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        zero = _FACTORIES.get(func)
+        if zero is not None:
+            self.made.append((out, zero))
+        elif getattr(func, "__name__", None) not in _QUERIES and self.other is None:
+            self.other = func
+        return out
+
+
+def record(fn, inputs: tuple):
+    """Run ``fn(*inputs)`` (a plan's closure: tensors or None in, tensors or None out) recorded ->
+    (its outputs, the extension's Program, or the reason it was refused as a string)."""
+    if not all(t is None or type(t) is torch.Tensor for t in inputs):
+        return fn(*inputs), "an input is not a tensor"
+    trace = []
+    launch.TRACE = (threading.get_ident(), trace)
+    try:
+        with _Allocations() as allocations:
+            outputs = fn(*inputs)
+    finally:
+        launch.TRACE = None
+    try:
+        return outputs, _program(inputs, allocations, trace, outputs)
+    except Refused as e:
+        return outputs, str(e)
+
+
+def _program(inputs, allocations, trace, outputs):
+    if allocations.other is not None:
+        raise Refused(f"the plan calls {getattr(allocations.other, '__name__', allocations.other)}")
+    if not trace or any(entry is None for entry in trace):
+        raise Refused("a launch that is not a bound compiled kernel")
+    n_in = len(inputs)
+    bases = [(t, i) for i, t in enumerate(inputs) if t is not None]
+    allocs = []
+    for j, (t, zero) in enumerate(allocations.made):
+        if not t.is_contiguous() or t.device.type != "cuda":
+            raise Refused("a non-contiguous allocation")
+        bases.append((t, n_in + j))
+        allocs.append((n_in + j, list(t.shape), t.dtype, zero))
+
+    def slot(t):
+        for base, s in bases:
+            if t is base:
+                return s, 0
+        address = t.data_ptr()
+        for base, s in bases:
+            start = base.data_ptr()
+            if base.device == t.device and start <= address < start + max(1, base.numel() * base.element_size()):
+                return s, address - start
+        raise Refused("a launch takes a tensor the plan neither got nor allocated")
+
+    launches = []
+    for (kernel, tail, _), grid, args in trace:
+        try:
+            function, threads, shared, types = compat.native_launch(kernel)
+        except ValueError as e:
+            raise Refused(str(e)) from None
+        values = (*args, *tail)
+        if len(values) != len(types):
+            raise Refused(f"{kernel.name}: {len(values)} arguments for {len(types)} parameters")
+        params = []
+        for ty, v in zip(types, values):
+            if ty == "constexpr":
+                continue
+            if ty.startswith("*"):
+                if not isinstance(v, torch.Tensor):
+                    raise Refused(f"{kernel.name}: a pointer parameter given {type(v).__name__}")
+                params.append((0, *slot(v), 0.0))
+            elif ty == "fp32":
+                params.append((3, 0, 0, float(v)))
+            elif type(v) is int or type(v) is bool:
+                params.append(({"i32": 1, "i64": 2, "u64": 5}[ty], int(v), 0, 0.0))
+            else:
+                raise Refused(f"{kernel.name}: a {ty} parameter given {type(v).__name__}")
+        launches.append((function, list(grid[:3]), threads, shared, params))
+    flat = outputs if isinstance(outputs, tuple) else (outputs,)
+    out_slots = []
+    for t in flat:
+        if t is None:
+            out_slots.append(-1)
+            continue
+        found = next((s for base, s in bases if base is t), None)
+        if found is None or found < n_in:
+            raise Refused("an output is not an allocation of the plan")
+        out_slots.append(found)
+    lib = module()
+    try:
+        return lib.program(n_in, n_in + len(allocs), allocs, launches, out_slots)
+    except RuntimeError as e:  # the cubin's parameters differ from the plan's (a Triton release)
+        raise Refused(str(e).splitlines()[0]) from None
+
+
+# --- plans with the native path ----------------------------------------------------------------------
+
+
+def accelerate(plan, op: str, train: bool):
+    """``plan`` (a CUDA plan from plans.make: an inference plan, or a ``plans.Training``) with the
+    native host path, where ``op`` has one and the extension is loaded; else ``plan`` itself."""
+    if op not in OPS or module() is None:
+        return plan
+    if not train:
+        return Run(plan)
+    return _TRAINING[type(plan)](plan)
+
+
+class Run:
+    """An inference plan on the native path: its second call recorded, later ones replayed."""
+
+    __slots__ = ("plan", "program", "calls", "tuple")
+
+    def __init__(self, plan):
+        self.plan, self.program, self.calls, self.tuple = plan, None, 0, False
+
+    def __call__(self, *args):
+        program = self.program
+        if program is not None and launch.quiet():
+            out = program(args)
+            return tuple(out) if self.tuple else out[0]
+        self.calls += 1
+        if self.calls != 2 or program is not None:
+            return self.plan(*args)
+        out, made = record(self.plan, args)
+        if not isinstance(made, str):
+            self.tuple, self.program = isinstance(out, tuple), made
+        return out
+
+
+class _Native:
+    """The native state of a training plan: its forward closure (recorded on its second call) and the
+    C++ autograd spec made from that recording; :class:`_Backward` holds the backward side."""
+
+    def __init__(self, plan, family):
+        self.forward, self.family, self.spec = plan.forward, family, None
+        self.calls = 0
+        self.back = _Backward(plan, family)
+
+    def traced_forward(self, *args):
+        self.calls += 1
+        if self.back.info is None:
+            self.back.info = self.family.info(*args)
+        if self.calls != 2:
+            return self.forward(*args)
+        out, made = record(self.forward, args)
+        if not isinstance(made, str):
+            dtypes = self.family.grad_dtypes(args, out)
+            self.spec = module().spec(made, self.family.RETURNED, self.family.SAVED, dtypes, self.back)
+            self.back.node = weakref.ref(self.spec)
+        return out
+
+
+class _Backward:
+    """A training plan's backward side, which the C++ spec calls (it holds nothing that holds the
+    spec: no reference cycle through C++). ``backward(...)``: the plan's backward closure, each
+    variant (with and without h's gradient) recorded on its second call into the spec; called with
+    ``(grads, saved)``: the Python backward the C++ node falls back to (create_graph, a variant not
+    recorded yet, no incoming gradient for y), the op family's ``plans._Planned*.backward`` on a
+    stand-in ctx whose plan is this object."""
+
+    def __init__(self, plan, family):
+        self.plain, self.family, self.spec, self.keep_scale = plan.backward, family, plan.spec, plan.keep_scale
+        self.calls, self.info, self.node = [0, 0], None, None
+
+    def backward(self, *args):
+        variant = int(self.family.variant(args))
+        if args[0] is None:  # no incoming gradient for y (an add-norm whose y is unused): not replayed
+            return self.plain(*args)
+        self.calls[variant] += 1
+        node = None if self.node is None else self.node()
+        if self.calls[variant] != 2 or node is None:
+            return self.plain(*args)
+        out, made = record(self.plain, args)
+        if not isinstance(made, str):
+            node.set_backward(variant, made)
+        return out
+
+    def __call__(self, grads, saved):
+        return self.family.backward(self, self.info, grads, saved)
+
+
+class _RowNorm:
+    """LayerNorm / RMSNorm / GroupNorm (``plans.Training``): inputs (x, residual, weight, bias), the
+    forward's outputs (y, h, mean, rstd), the backward's (dy, dh, x, weight, mean, rstd)."""
+
+    RETURNED, SAVED = [0], [0, 2, -3, -4]  # y; x, weight, mean, rstd
+
+    @staticmethod
+    def info(x, r, w, b):
+        return SimpleNamespace(shape=plans._params_shape(w, b), bias_dtype=None if b is None else b.dtype)
+
+    @staticmethod
+    def grad_dtypes(args, out):
+        return [out[0].dtype, out[0].dtype]
+
+    @staticmethod
+    def variant(args):
+        return False
+
+    @staticmethod
+    def backward(plan, info, grads, saved):
+        if grads[0] is None:
+            return [None] * 4
+        ctx = SimpleNamespace(saved_tensors=tuple(saved), plan=plan, **vars(info))
+        _, dx, dw, db = plans._PlannedRowNorm.backward(ctx, grads[0])
+        return [dx, None, dw, db]
+
+
+class _AddNorm(_RowNorm):
+    """The add-norms (``plans.AddNormTraining``): y and h returned, h saved."""
+
+    RETURNED, SAVED = [0, 1], [-2, 2, -3, -4]  # y, h; h, weight, mean, rstd
+
+    @staticmethod
+    def info(x, r, w, b):
+        return SimpleNamespace(shape=plans._params_shape(w, b), bias_dtype=None if b is None else b.dtype,
+                               x_dtype=x.dtype, residual=None if r is None else (r.dtype, r.shape))  # fmt: skip
+
+    @staticmethod
+    def grad_dtypes(args, out):
+        return [args[0].dtype, out[1].dtype]
+
+    @staticmethod
+    def variant(args):
+        return args[1] is not None
+
+    @staticmethod
+    def backward(plan, info, grads, saved):
+        ctx = SimpleNamespace(saved_tensors=tuple(saved), plan=plan, **vars(info))
+        _, dx, dres, dw, db = plans._PlannedAddNorm.backward(ctx, *grads)
+        return [dx, dres, dw, db]
+
+
+class _Softmax:
+    """softmax / log_softmax (``plans.SoftmaxTraining``): input x, forward y, backward (dy, y)."""
+
+    RETURNED, SAVED = [0], [-1]
+
+    @staticmethod
+    def info(x):
+        return SimpleNamespace()
+
+    @staticmethod
+    def grad_dtypes(args, out):
+        return [out.dtype]
+
+    @staticmethod
+    def variant(args):
+        return False
+
+    @staticmethod
+    def backward(plan, info, grads, saved):
+        if grads[0] is None:
+            return [None]
+        _, dx = plans._PlannedSoftmax.backward(SimpleNamespace(saved_tensors=tuple(saved), plan=plan), grads[0])
+        return [dx]
+
+
+def _wrap(cls, family):
+    class Native(cls):
+        __slots__ = ("native",)
+
+        def __init__(self, plan):
+            state = _Native(plan, family)
+            super().__init__(state.traced_forward, state.back.backward, plan.keep_scale, spec=plan.spec)
+            self.native = state
+
+    Native.__name__ = Native.__qualname__ = f"Native{cls.__name__}"
+    return Native
+
+
+def _row_norm_call(self, x, residual, weight, bias):
+    spec = self.native.spec
+    if spec is not None and launch.quiet():
+        return module().apply(spec, [x, residual, weight, bias])[0]
+    return plans.Training.__call__(self, x, residual, weight, bias)
+
+
+def _add_norm_call(self, x, residual, weight, bias):
+    spec = self.native.spec
+    if spec is not None and launch.quiet():
+        y, h = module().apply(spec, [x, residual, weight, bias])
+        return y, h
+    return plans.AddNormTraining.__call__(self, x, residual, weight, bias)
+
+
+def _softmax_call(self, x):
+    spec = self.native.spec
+    if spec is not None and launch.quiet():
+        return module().apply(spec, [x])[0]
+    return plans.SoftmaxTraining.__call__(self, x)
+
+
+NativeTraining = _wrap(plans.Training, _RowNorm)
+NativeTraining.__call__ = _row_norm_call
+NativeAddNormTraining = _wrap(plans.AddNormTraining, _AddNorm)
+NativeAddNormTraining.__call__ = _add_norm_call
+NativeSoftmaxTraining = _wrap(plans.SoftmaxTraining, _Softmax)
+NativeSoftmaxTraining.__call__ = _softmax_call
+_TRAINING = {plans.Training: NativeTraining, plans.AddNormTraining: NativeAddNormTraining,
+             plans.SoftmaxTraining: NativeSoftmaxTraining}  # fmt: skip

@@ -345,10 +345,30 @@ def add_bench_parser(sub):
     return p
 
 
+def cmd_native(args) -> int:
+    """Compile the CUDA backend's native host path (backends/cuda/native.py) if it is not there."""
+    import time
+
+    if not _has_triton():
+        print("native: needs upstream Triton (the CUDA backend)", file=sys.stderr)
+        return 2
+    from normkit.backends.cuda import native
+
+    start = time.perf_counter()
+    found = native.module(build=True)
+    if found is None:
+        print(f"native: not built: {native.why()}", file=sys.stderr)
+        return 1
+    took = time.perf_counter() - start
+    print(f"native: {native.build_dir()} ({took:.0f} s); CUDA plans use it from the next process on "
+          f"(NORMKIT_NATIVE=0 turns it off)")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = Parser(prog="normkit", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"normkit {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{info,check,bench}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{info,check,bench,native}")
     info = sub.add_parser("info", help="versions (is Triton in the tested range), devices, fast paths, "
                                        "the backend serving each device type")
     info.add_argument("--shape", type=rows_shape, metavar="M,N",
@@ -366,6 +386,9 @@ def main(argv=None) -> int:
                             f"(under a minute on 2 cores), else {_shapes(DEVICE_SHAPES[:3])}")
     check.set_defaults(fn=cmd_check)
     add_bench_parser(sub)
+    native = sub.add_parser("native", help="compile the CUDA host path in C++ (about a minute, once per "
+                                           "torch: a C++ compiler and ninja; docs/performance.md, host time)")
+    native.set_defaults(fn=cmd_native)
     args = parser.parse_args(argv)
     return args.fn(args)
 

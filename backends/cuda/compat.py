@@ -175,7 +175,8 @@ def native_launch(kernel) -> tuple:
     PDL launches, scratch memory, tensor descriptors, a parameter type it does not pass)."""
     md = kernel.metadata
     why = [name for name, bad in (
-        ("a cluster", getattr(md, "num_ctas", 1) != 1 or tuple(getattr(md, "cluster_dims", (1, 1, 1))) != (1, 1, 1)),
+        ("a cluster", getattr(md, "num_ctas", 1) != 1
+         or tuple(getattr(md, "cluster_dims", (1, 1, 1))) != (1, 1, 1)),
         ("a cooperative launch", getattr(md, "launch_cooperative_grid", False)),
         ("a PDL launch", getattr(md, "launch_pdl", False)),
         ("global scratch", getattr(md, "global_scratch_size", 0)),
@@ -187,8 +188,8 @@ def native_launch(kernel) -> tuple:
     if not isinstance(signature, dict):
         why.append("no signature")
     else:
-        odd = [t for t in signature.values() if t != "constexpr" and not (isinstance(t, str) and t.startswith("*"))
-               and t not in _NATIVE_TYPES]  # fmt: skip
+        passed = [t for t in signature.values() if t != "constexpr"]
+        odd = [t for t in passed if not (isinstance(t, str) and t.startswith("*")) and t not in _NATIVE_TYPES]
         if odd:
             why.append(f"parameter types {odd}")
     if why:

@@ -152,7 +152,8 @@ def quiet() -> bool:
     """Whether launches may skip this module: no launch being recorded for tests (:data:`RECORD`) and
     no Triton launch hook (a profiler) set."""
     runtime = triton.knobs.runtime
-    return RECORD is None and _active(runtime.launch_enter_hook) is None and _active(runtime.launch_exit_hook) is None
+    hooks = _active(runtime.launch_enter_hook), _active(runtime.launch_exit_hook)
+    return RECORD is None and hooks == (None, None)
 
 
 def _check(cached, key, args, meta) -> None:

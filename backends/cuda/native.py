@@ -177,7 +177,8 @@ def _program(inputs, allocations, trace, outputs):
         address = t.data_ptr()
         for base, s in bases:
             start = base.data_ptr()
-            if base.device == t.device and start <= address < start + max(1, base.numel() * base.element_size()):
+            end = start + max(1, base.numel() * base.element_size())
+            if base.device == t.device and start <= address < end:
                 return s, address - start
         raise Refused("a launch takes a tensor the plan neither got nor allocated")
 
@@ -238,10 +239,10 @@ def accelerate(plan, op: str, train: bool):
 class Run:
     """An inference plan on the native path: its second call recorded, later ones replayed."""
 
-    __slots__ = ("plan", "program", "calls", "tuple")
+    __slots__ = ("plan", "program", "calls", "tuple", "refused")
 
     def __init__(self, plan):
-        self.plan, self.program, self.calls, self.tuple = plan, None, 0, False
+        self.plan, self.program, self.calls, self.tuple, self.refused = plan, None, 0, False, None
 
     def __call__(self, *args):
         program = self.program
@@ -252,7 +253,9 @@ class Run:
         if self.calls != 2 or program is not None:
             return self.plan(*args)
         out, made = record(self.plan, args)
-        if not isinstance(made, str):
+        if isinstance(made, str):
+            self.refused = made
+        else:
             self.tuple, self.program = isinstance(out, tuple), made
         return out
 
@@ -262,7 +265,7 @@ class _Native:
     C++ autograd spec made from that recording; :class:`_Backward` holds the backward side."""
 
     def __init__(self, plan, family):
-        self.forward, self.family, self.spec = plan.forward, family, None
+        self.forward, self.family, self.spec, self.refused = plan.forward, family, None, None
         self.calls = 0
         self.back = _Backward(plan, family)
 
@@ -273,7 +276,9 @@ class _Native:
         if self.calls != 2:
             return self.forward(*args)
         out, made = record(self.forward, args)
-        if not isinstance(made, str):
+        if isinstance(made, str):
+            self.refused = made
+        else:
             dtypes = self.family.grad_dtypes(args, out)
             self.spec = module().spec(made, self.family.RETURNED, self.family.SAVED, dtypes, self.back)
             self.back.node = weakref.ref(self.spec)
@@ -289,8 +294,9 @@ class _Backward:
     stand-in ctx whose plan is this object."""
 
     def __init__(self, plan, family):
-        self.plain, self.family, self.spec, self.keep_scale = plan.backward, family, plan.spec, plan.keep_scale
-        self.calls, self.info, self.node = [0, 0], None, None
+        self.plain, self.family = plan.backward, family
+        self.spec, self.keep_scale = plan.spec, plan.keep_scale  # what plans._Planned*.backward reads
+        self.calls, self.info, self.node, self.refused = [0, 0], None, None, [None, None]
 
     def backward(self, *args):
         variant = int(self.family.variant(args))
@@ -301,7 +307,9 @@ class _Backward:
         if self.calls[variant] != 2 or node is None:
             return self.plain(*args)
         out, made = record(self.plain, args)
-        if not isinstance(made, str):
+        if isinstance(made, str):
+            self.refused[variant] = made
+        else:
             node.set_backward(variant, made)
         return out
 
@@ -343,8 +351,9 @@ class _AddNorm(_RowNorm):
 
     @staticmethod
     def info(x, r, w, b):
+        residual = None if r is None else (r.dtype, r.shape)
         return SimpleNamespace(shape=plans._params_shape(w, b), bias_dtype=None if b is None else b.dtype,
-                               x_dtype=x.dtype, residual=None if r is None else (r.dtype, r.shape))  # fmt: skip
+                               x_dtype=x.dtype, residual=residual)  # fmt: skip
 
     @staticmethod
     def grad_dtypes(args, out):
@@ -382,7 +391,8 @@ class _Softmax:
     def backward(plan, info, grads, saved):
         if grads[0] is None:
             return [None]
-        _, dx = plans._PlannedSoftmax.backward(SimpleNamespace(saved_tensors=tuple(saved), plan=plan), grads[0])
+        ctx = SimpleNamespace(saved_tensors=tuple(saved), plan=plan)
+        _, dx = plans._PlannedSoftmax.backward(ctx, grads[0])
         return [dx]
 
 

@@ -1,0 +1,267 @@
+"""The CUDA backend's native host path (backends/cuda/native.py, native.cpp).
+
+On CPU (CI): the extension builds, and its autograd node's mechanics hold with programs that launch
+nothing (inputs that are absent, the saved tensors, the Python backward with create_graph or an
+unrecorded variant, gradients viewed to the inputs' shapes). On a GPU (``-m cuda``): repeated calls
+of every op with a native path are recorded on their second call and replayed from C++ after, with
+the Python launcher patched to fail; values and gradients against fp64 torch on every call.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import normkit
+from normkit import plans
+
+native = pytest.importorskip("normkit.backends.cuda.native")
+
+
+@pytest.fixture(scope="module")
+def lib():
+    found = native.module(build=True)
+    assert found is not None, native.why()  # CI and the GPU machine have a C++ compiler and ninja
+    return found
+
+
+class Slow:
+    """A stand-in Python backward: records its calls, gives 3 dy for x and ones for the weight."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, grads, saved):
+        self.calls.append((grads, saved, torch.is_grad_enabled()))
+        return [3 * grads[0], None, torch.ones(grads[0].shape[-1]), None]
+
+
+def _forward_program(lib, M, N):
+    # inputs x, r, w, b; allocations y (M, N), mean, rstd (M,): outputs (y, None, mean, rstd)
+    allocs = [(4, [M, N], torch.float32, True), (5, [M], torch.float32, False), (6, [M], torch.float32, True)]
+    return lib.program(4, 7, allocs, [], [4, -1, 5, 6])
+
+
+def test_program_allocates_its_outputs(lib):
+    x, w = torch.randn(3, 8), torch.randn(8)
+    y, h, mean, rstd = _forward_program(lib, 3, 8)([x, None, w, None])
+    assert h is None and y.shape == (3, 8) and mean.shape == rstd.shape == (3,)
+    assert torch.equal(y, torch.zeros(3, 8)) and torch.equal(rstd, torch.zeros(3))  # the zeroed ones
+
+
+def test_node_runs_the_python_backward_until_a_program_is_set(lib):
+    x = torch.randn(2, 4, 8, requires_grad=True)  # three dims: the (M, N) gradient is viewed back
+    w = torch.randn(8, requires_grad=True)
+    slow = Slow()
+    spec = lib.spec(_forward_program(lib, 8, 8), [0], [0, 2, -3, -4], [torch.float32, torch.float32], slow)
+    (y,) = lib.apply(spec, [x, None, w, None])
+    assert y.requires_grad and y.shape == (8, 8)
+    dy = torch.randn(8, 8)
+    y.backward(dy)
+    (grads, saved, grad_mode), = slow.calls
+    assert torch.equal(grads[0], dy) and saved[0] is not None and torch.equal(saved[0], x.detach())
+    assert torch.equal(saved[1], w.detach()) and not grad_mode
+    assert torch.equal(x.grad, (3 * dy).view(2, 4, 8)) and torch.equal(w.grad, torch.ones(8))
+    # a backward program: its outputs (zeroed dx and dweight) are the gradients from now on
+    allocs = [(6, [8, 8], torch.float32, True), (7, [8], torch.float32, True)]
+    back = lib.program(6, 8, allocs, [], [6, -1, 7, -1])
+    spec.set_backward(0, back)
+    x.grad = w.grad = None
+    (y,) = lib.apply(spec, [x, None, w, None])
+    y.backward(dy)
+    assert len(slow.calls) == 1
+    assert torch.equal(x.grad, torch.zeros(2, 4, 8)) and torch.equal(w.grad, torch.zeros(8))
+    # create_graph: the Python backward again, under grad mode
+    (y,) = lib.apply(spec, [x, None, w, None])
+    torch.autograd.grad(y, [x, w], dy, create_graph=True)
+    assert len(slow.calls) == 2 and slow.calls[-1][2]
+
+
+def test_node_gives_no_gradient_to_an_absent_input(lib):
+    x = torch.randn(4, 8, requires_grad=True)
+    spec = lib.spec(_forward_program(lib, 4, 8), [0], [0, 2, -3, -4], [torch.float32, torch.float32], Slow())
+    (y,) = lib.apply(spec, [x, None, None, None])  # no weight: Slow's ones are dropped
+    (dx,) = torch.autograd.grad(y, [x], torch.ones(4, 8))
+    assert torch.equal(dx, torch.full((4, 8), 3.0))
+
+
+def test_node_refuses_a_backward_of_the_wrong_arity(lib):
+    x = torch.randn(4, 8, requires_grad=True)
+    spec = lib.spec(_forward_program(lib, 4, 8), [0], [0, 2, -3, -4], [torch.float32, torch.float32],
+                    lambda grads, saved: [grads[0]])  # fmt: skip
+    (y,) = lib.apply(spec, [x, None, None, None])
+    with pytest.raises(RuntimeError, match="gave 1 gradients for 4 inputs"):
+        y.backward(torch.ones(4, 8))
+
+
+def test_program_refuses_a_kernel_parameter_list_it_cannot_check(lib):
+    if torch.cuda.is_available():
+        pytest.skip("no CUfunction to give on a GPU machine either; the GPU tests check real kernels")
+    with pytest.raises(RuntimeError):  # a launch of a null CUfunction is refused before anything runs
+        lib.program(1, 1, [], [(0, [1, 1, 1], 32, 0, [(1, 5, 0, 0.0)])], [])
+
+
+# --- on a GPU -------------------------------------------------------------------------------------
+
+CASES = [  # (op, M, N)
+    ("layer_norm", 16, 4096), ("rms_norm", 16, 4096), ("add_layer_norm", 16, 4096),
+    ("add_rms_norm", 16, 4096), ("softmax", 16, 4096), ("log_softmax", 16, 4096), ("layer_norm", 64, 1000),
+    ("rms_norm", 4, 65536), ("add_layer_norm", 4, 65536), ("group_norm", 8, 4096),
+]  # fmt: skip
+
+
+def _torch(op, x, r, w, b):
+    """fp64 torch of the call -> (y, h or None)."""
+    x, r, w, b = (None if t is None else t.double() for t in (x, r, w, b))
+    N = x.shape[-1]
+    if op.startswith("add_"):
+        h = x + r
+        norm = F.layer_norm(h, (N,), w, b, 1e-5) if op == "add_layer_norm" else F.rms_norm(h, (N,), w, 1e-5)
+        return norm, h
+    if op == "layer_norm":
+        return F.layer_norm(x, (N,), w, b, 1e-5), None
+    if op == "rms_norm":
+        return F.rms_norm(x, (N,), w, 1e-5), None
+    if op == "group_norm":
+        return F.group_norm(x, 4, w, b, 1e-5), None
+    return (F.softmax if op == "softmax" else F.log_softmax)(x, -1), None
+
+
+def _normkit(op, x, r, w, b):
+    N = x.shape[-1]
+    if op == "add_layer_norm":
+        return normkit.add_layer_norm(x, r, (N,), w, b, 1e-5)
+    if op == "add_rms_norm":
+        return normkit.add_rms_norm(x, r, (N,), w, 1e-5)
+    if op == "layer_norm":
+        return normkit.layer_norm(x, (N,), w, b, 1e-5), None
+    if op == "rms_norm":
+        return normkit.rms_norm(x, (N,), w, 1e-5), None
+    if op == "group_norm":
+        return normkit.group_norm(x, 4, w, b, 1e-5), None
+    return (normkit.softmax if op == "softmax" else normkit.log_softmax)(x, -1), None
+
+
+def _inputs(op, M, N, dtype, grad):
+    shape = (M, 4, N // 4) if op == "group_norm" else (M, N)
+    channels = 4 if op == "group_norm" else N
+    x = torch.randn(shape, device="cuda:0", dtype=dtype).requires_grad_(grad)
+    r = torch.randn_like(x).requires_grad_(grad) if op.startswith("add_") else None
+    w = None if "softmax" in op else torch.randn(channels, device="cuda:0", dtype=dtype).requires_grad_(grad)
+    biased = op in ("layer_norm", "add_layer_norm", "group_norm")
+    b = torch.randn_like(w).requires_grad_(grad) if biased else None
+    return x, r, w, b
+
+
+def _close(got, want, dtype, what):
+    tol = {torch.bfloat16: 2e-2, torch.float32: 2e-5}[dtype]
+    scale = want.abs().max().item() + 1
+    err = (got.double() - want).abs().max().item()
+    assert err <= tol * scale, f"{what}: max error {err:.3g} (scale {scale:.3g})"
+
+
+@pytest.fixture
+def gpu(lib, monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    monkeypatch.setattr(native.launch, "RECORD", None)
+    plans._PLANS.clear()
+    yield
+    plans._PLANS.clear()
+
+
+def _served_natively(monkeypatch):
+    """From here on a launch through Python fails the test."""
+
+    def fail(*args, **kwargs):
+        raise AssertionError("a launch went through Python")
+
+    monkeypatch.setattr(native.launch, "_run", fail)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("op,M,N", CASES, ids=[f"{c[0]}-{c[1]}x{c[2]}" for c in CASES])
+def test_training_calls_replay_from_cpp(gpu, monkeypatch, op, M, N, dtype):
+    # calls 0, 1: the forward and the backward without h's gradient run in Python, recorded on the
+    # second; 2, 3: the add-norms' backward with h's gradient, recorded on its second (the C++ node
+    # calls the Python backward for it); from 4 on everything runs from C++
+    for call in range(6):
+        if call == 4:
+            state = next(p for k, p in plans._PLANS.items() if k[0] == op).native
+            assert state.spec is not None, f"the forward was not recorded: {state.refused}"
+            _served_natively(monkeypatch)
+        x, r, w, b = _inputs(op, M, N, dtype, grad=True)
+        y, h = _normkit(op, x, r, w, b)
+        want_y, want_h = _torch(op, x, r, w, b)
+        _close(y, want_y, dtype, f"call {call} y")
+        if h is not None:
+            _close(h, want_h, dtype, f"call {call} h")
+        dy = torch.randn_like(y)
+        dh = torch.randn_like(h) if h is not None and call in (2, 3, 4) else None
+        outs = [y] + ([h] if dh is not None else [])
+        grads_in = [dy] + ([dh] if dh is not None else [])
+        tensors = [t for t in (x, r, w, b) if t is not None]
+        got = torch.autograd.grad(outs, tensors, grads_in)
+        xd = [t.detach().double().requires_grad_() for t in tensors]
+        it = iter(xd)
+        args = [None if t is None else next(it) for t in (x, r, w, b)]
+        wy, wh = _torch(op, *args)
+        want_outs = [wy] + ([wh] if dh is not None else [])
+        want = torch.autograd.grad(want_outs, xd, [g.double() for g in grads_in])
+        for name, g, e in zip("xrwb", got, want):
+            _close(g, e, dtype, f"call {call} d{name}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("op,M,N", CASES[:6], ids=[f"{c[0]}-{c[1]}x{c[2]}" for c in CASES[:6]])
+def test_inference_calls_replay_from_cpp(gpu, monkeypatch, op, M, N):
+    with torch.no_grad():
+        for call in range(3):
+            if call == 2:
+                (plan,) = plans._PLANS.values()
+                assert plan.program is not None, plan.refused
+                _served_natively(monkeypatch)
+            x, r, w, b = _inputs(op, M, N, torch.bfloat16, grad=False)
+            y, h = _normkit(op, x, r, w, b)
+            want_y, want_h = _torch(op, x, r, w, b)
+            _close(y, want_y, torch.bfloat16, f"call {call} y")
+            if h is not None:
+                _close(h, want_h, torch.bfloat16, f"call {call} h")
+
+
+@pytest.mark.cuda
+def test_double_backward_through_the_cpp_node(gpu, monkeypatch):
+    x0, _, w0, b0 = _inputs("layer_norm", 16, 256, torch.float64, grad=False)
+    for _ in range(3):
+        x, w, b = (t.detach().clone().requires_grad_() for t in (x0, w0, b0))
+        y = normkit.layer_norm(x, (256,), w, b, 1e-5)
+        (dx,) = torch.autograd.grad(y.square().sum(), [x], create_graph=True)
+        gx, gw = torch.autograd.grad(dx.square().sum(), [x, w])
+        xr, wr, br = (t.detach().clone().requires_grad_() for t in (x0, w0, b0))
+        yr = F.layer_norm(xr, (256,), wr, br, 1e-5)
+        (dxr,) = torch.autograd.grad(yr.square().sum(), [xr], create_graph=True)
+        ex, ew = torch.autograd.grad(dxr.square().sum(), [xr, wr])
+        torch.testing.assert_close(gx, ex, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(gw, ew, rtol=1e-9, atol=1e-9)
+    assert next(iter(plans._PLANS.values())).native.spec is not None
+
+
+@pytest.mark.cuda
+def test_replayed_calls_run_on_the_current_stream_and_device(gpu):
+    side = torch.cuda.Stream()
+    for call in range(4):
+        x, _, w, b = _inputs("layer_norm", 64, 4096, torch.bfloat16, grad=True)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(side):
+            y = normkit.layer_norm(x, (4096,), w, b, 1e-5)
+            dx, dw = torch.autograd.grad(y, [x, w], torch.ones_like(y))
+        side.synchronize()
+        _close(y, _torch("layer_norm", x, None, w, b)[0], torch.bfloat16, f"call {call} y")
+    if torch.cuda.device_count() > 1:
+        with torch.cuda.device(1):  # plans of cuda:0 tensors called with cuda:1 current
+            for call in range(3):
+                x, _, w, b = _inputs("layer_norm", 64, 4096, torch.bfloat16, grad=False)
+                with torch.no_grad():
+                    y = normkit.layer_norm(x, (4096,), w, b, 1e-5)
+                want = _torch("layer_norm", x, None, w, b)[0]
+                _close(y, want, torch.bfloat16, f"cuda:1 current, call {call}")

@@ -182,11 +182,12 @@ def _served_natively(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("op,M,N", CASES, ids=[f"{c[0]}-{c[1]}x{c[2]}" for c in CASES])
 def test_training_calls_replay_from_cpp(gpu, monkeypatch, op, M, N, dtype):
-    # calls 0, 1: the forward and the backward without h's gradient run in Python, recorded on the
-    # second; 2, 3: the add-norms' backward with h's gradient, recorded on its second (the C++ node
-    # calls the Python backward for it); from 4 on everything runs from C++
-    for call in range(6):
-        if call == 4:
+    # calls 0-2: the forward and the backward without h's gradient run in Python, recorded on the
+    # third (the first two compile and bind the kernels); 2-5: the add-norms' backward with h's
+    # gradient, which the C++ node hands to the Python backward until that records it (4); from 6 on
+    # everything runs from C++, both variants
+    for call in range(8):
+        if call == 6:
             state = next(p for k, p in plans._PLANS.items() if k[0] == op).native
             assert state.spec is not None, f"the forward was not recorded: {state.refused}"
             _served_natively(monkeypatch)
@@ -197,7 +198,7 @@ def test_training_calls_replay_from_cpp(gpu, monkeypatch, op, M, N, dtype):
         if h is not None:
             _close(h, want_h, dtype, f"call {call} h")
         dy = torch.randn_like(y)
-        dh = torch.randn_like(h) if h is not None and call in (2, 3, 4) else None
+        dh = torch.randn_like(h) if h is not None and 2 <= call <= 6 else None
         outs = [y] + ([h] if dh is not None else [])
         grads_in = [dy] + ([dh] if dh is not None else [])
         tensors = [t for t in (x, r, w, b) if t is not None]
@@ -216,8 +217,8 @@ def test_training_calls_replay_from_cpp(gpu, monkeypatch, op, M, N, dtype):
 @pytest.mark.parametrize("op,M,N", CASES[:6], ids=[f"{c[0]}-{c[1]}x{c[2]}" for c in CASES[:6]])
 def test_inference_calls_replay_from_cpp(gpu, monkeypatch, op, M, N):
     with torch.no_grad():
-        for call in range(3):
-            if call == 2:
+        for call in range(4):
+            if call == 3:  # recorded on the third (the first two bind the kernel)
                 (plan,) = plans._PLANS.values()
                 assert plan.program is not None, plan.refused
                 _served_natively(monkeypatch)

@@ -45,7 +45,8 @@ CACHE_SIZE = 4096  # compiled kernels remembered (all specializations of all ker
 # Check each keyed launch against the full key (tests; env NORMKIT_CHECK_LAUNCH_KEYS=1 at import).
 CHECK_KEYS = os.environ.get("NORMKIT_CHECK_LAUNCH_KEYS", "") == "1"
 # While native.py records a plan: (thread ident, list); each launch on that thread appends
-# (cache entry, grid, args) for a direct one, None for any other (the recording is then refused).
+# (cache entry, grid, args) for a direct one, "first" for a Bound's first (compiling) ones, None for
+# any other (the recording is then refused).
 TRACE: tuple | None = None
 # Tests (tests/conftest.py under NORMKIT_RECORD_LAUNCHES, for ci/gpu_smoke.py) set a set here: each
 # launch adds (test, kernel, dtype class, op flags, path) to it. None: nothing is recorded.
@@ -204,6 +205,8 @@ class Bound:
             with torch.cuda.device(self.index):
                 return self(*args)
         if self.cached is None:
+            if TRACE is not None:
+                _trace("first")
             self.cached = launch(self.fn, self.grid, *args, **self.meta)
             return None
         if CHECK_KEYS:

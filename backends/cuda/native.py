@@ -120,6 +120,14 @@ class Refused(Exception):
     """A plan that cannot be replayed from C++ (its Python path serves)."""
 
 
+class NotYet(Refused):
+    """A plan whose kernels are not all bound yet (a ``launch.Bound``'s first calls compile through
+    ``fn[grid]``): recorded again on its next call."""
+
+
+TRIES = 4  # calls a plan (or a backward variant) is recorded on at most, from its second
+
+
 class _Allocations(TorchFunctionMode):
     """Every tensor allocated in the block, with whether it was zeroed; ``other``: the first tensor
     function that is neither an allocation nor a query."""
@@ -140,7 +148,8 @@ class _Allocations(TorchFunctionMode):
 
 def record(fn, inputs: tuple):
     """Run ``fn(*inputs)`` (a plan's closure: tensors or None in, tensors or None out) recorded ->
-    (its outputs, the extension's Program, or the reason it was refused as a string)."""
+    (its outputs, the extension's Program, or the reason it was refused as a string, or None where
+    a kernel was still compiling: record a later call)."""
     if not all(t is None or type(t) is torch.Tensor for t in inputs):
         return fn(*inputs), "an input is not a tensor"
     trace = []
@@ -152,6 +161,8 @@ def record(fn, inputs: tuple):
         launch.TRACE = None
     try:
         return outputs, _program(inputs, allocations, trace, outputs)
+    except NotYet:
+        return outputs, None
     except Refused as e:
         return outputs, str(e)
 
@@ -159,6 +170,8 @@ def record(fn, inputs: tuple):
 def _program(inputs, allocations, trace, outputs):
     if allocations.other is not None:
         raise Refused(f"the plan calls {getattr(allocations.other, '__name__', allocations.other)}")
+    if "first" in trace:
+        raise NotYet("a kernel compiled on this call")
     if not trace or any(entry is None for entry in trace):
         raise Refused("a launch that is not a bound compiled kernel")
     n_in = len(inputs)
@@ -250,12 +263,12 @@ class Run:
             out = program(args)
             return tuple(out) if self.tuple else out[0]
         self.calls += 1
-        if self.calls != 2 or program is not None:
+        if not 2 <= self.calls <= TRIES + 1 or program is not None or self.refused:
             return self.plan(*args)
         out, made = record(self.plan, args)
         if isinstance(made, str):
             self.refused = made
-        else:
+        elif made is not None:
             self.tuple, self.program = isinstance(out, tuple), made
         return out
 
@@ -273,12 +286,12 @@ class _Native:
         self.calls += 1
         if self.back.info is None:
             self.back.info = self.family.info(*args)
-        if self.calls != 2:
+        if not 2 <= self.calls <= TRIES + 1 or self.spec is not None or self.refused:
             return self.forward(*args)
         out, made = record(self.forward, args)
         if isinstance(made, str):
             self.refused = made
-        else:
+        elif made is not None:
             dtypes = self.family.grad_dtypes(args, out)
             self.spec = module().spec(made, self.family.RETURNED, self.family.SAVED, dtypes, self.back)
             self.back.node = weakref.ref(self.spec)
@@ -297,6 +310,7 @@ class _Backward:
         self.plain, self.family = plan.backward, family
         self.spec, self.keep_scale = plan.spec, plan.keep_scale  # what plans._Planned*.backward reads
         self.calls, self.info, self.node, self.refused = [0, 0], None, None, [None, None]
+        self.done = [False, False]  # variant recorded or refused
 
     def backward(self, *args):
         variant = int(self.family.variant(args))
@@ -304,13 +318,14 @@ class _Backward:
             return self.plain(*args)
         self.calls[variant] += 1
         node = None if self.node is None else self.node()
-        if self.calls[variant] != 2 or node is None:
+        if not 2 <= self.calls[variant] <= TRIES + 1 or node is None or self.done[variant]:
             return self.plain(*args)
         out, made = record(self.plain, args)
         if isinstance(made, str):
-            self.refused[variant] = made
-        else:
+            self.refused[variant], self.done[variant] = made, True
+        elif made is not None:
             node.set_backward(variant, made)
+            self.done[variant] = True
         return out
 
     def __call__(self, grads, saved):

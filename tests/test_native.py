@@ -129,9 +129,9 @@ def _torch(op, x, r, w, b):
 def _normkit(op, x, r, w, b):
     N = x.shape[-1]
     if op == "add_layer_norm":
-        return normkit.add_layer_norm(x, r, (N,), w, b, 1e-5)
+        return normkit.add_layer_norm(x, r, (N,), w, b, 1e-5, prenorm=True)
     if op == "add_rms_norm":
-        return normkit.add_rms_norm(x, r, (N,), w, 1e-5)
+        return normkit.add_rms_norm(x, r, (N,), w, 1e-5, prenorm=True)
     if op == "layer_norm":
         return normkit.layer_norm(x, (N,), w, b, 1e-5), None
     if op == "rms_norm":

@@ -890,7 +890,8 @@ def test_training_plans_match_reference(run_on, dtype, shape, nd):
                         assert_close(g, e, dtype, tol, label, rows=numel // shape[-1])
                         assert torch.equal(g, g2), f"{label} differs between two runs"
     trained = [p for p in plans._PLANS.values() if isinstance(p, plans.Training) and not plans.is_contract(p)]
-    assert {type(p).__name__ for p in trained} == {"Training", "AddNormTraining", "SoftmaxTraining"}
+    kinds = {next(c for c in type(p).__mro__ if c.__module__ == plans.__name__).__name__ for p in trained}
+    assert kinds == {"Training", "AddNormTraining", "SoftmaxTraining"}  # (or native.py's subclasses of them)
 
 
 # (2, 8, 48, 48): rows of L = 9216, whose fp32 backward splits (config.group_norm_split_backward);

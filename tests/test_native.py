@@ -183,8 +183,8 @@ def _served_natively(monkeypatch):
 @pytest.mark.parametrize("op,M,N", CASES, ids=[f"{c[0]}-{c[1]}x{c[2]}" for c in CASES])
 def test_training_calls_replay_from_cpp(gpu, monkeypatch, op, M, N, dtype):
     # calls 0-2: the forward and the backward without h's gradient run in Python, recorded on the
-    # third (the first two compile and bind the kernels); 2-5: the add-norms' backward with h's
-    # gradient, which the C++ node hands to the Python backward until that records it (4); from 6 on
+    # third (the first two compile and bind the kernels); 3-5: the add-norms' backward with h's
+    # gradient, which the C++ node hands to the Python backward until that records it (5); from 6 on
     # everything runs from C++, both variants
     for call in range(8):
         if call == 6:
@@ -198,7 +198,7 @@ def test_training_calls_replay_from_cpp(gpu, monkeypatch, op, M, N, dtype):
         if h is not None:
             _close(h, want_h, dtype, f"call {call} h")
         dy = torch.randn_like(y)
-        dh = torch.randn_like(h) if h is not None and 2 <= call <= 6 else None
+        dh = torch.randn_like(h) if h is not None and 3 <= call <= 6 else None
         outs = [y] + ([h] if dh is not None else [])
         grads_in = [dy] + ([dh] if dh is not None else [])
         tensors = [t for t in (x, r, w, b) if t is not None]

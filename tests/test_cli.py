@@ -75,7 +75,7 @@ def test_help_version_and_usage_errors_import_no_torch():
 def test_python_m_normkit_help():
     done = run("--help")
     assert done.returncode == 0 and done.stderr == ""
-    assert done.stdout.startswith("usage: normkit [-h] [--version] {info,check,bench}")
+    assert done.stdout.startswith("usage: normkit [-h] [--version] {info,check,bench,native}")
     for command in ("info", "check", "bench"):
         assert f"\n    {command} " in done.stdout
 
@@ -111,9 +111,9 @@ def test_bad_shape_prints_no_traceback():
 
 
 @pytest.mark.parametrize("argv, line", [
-    ([], "normkit: the following arguments are required: {info,check,bench} (see normkit --help)"),
-    (["frob"], "normkit: argument {info,check,bench}: invalid choice: 'frob' (choose from 'info', 'check', "
-               "'bench') (see normkit --help)"),
+    ([], "normkit: the following arguments are required: {info,check,bench,native} (see normkit --help)"),
+    (["frob"], "normkit: argument {info,check,bench,native}: invalid choice: 'frob' (choose from 'info', "
+               "'check', 'bench', 'native') (see normkit --help)"),
     (["check", "--device", "tpu"], "normkit check: argument --device: invalid choice: 'tpu' (choose from "
                                    "'auto', 'cpu', 'cuda', 'npu') (see normkit check --help)"),
     (["info", "--dtype", "int8"], "normkit info: argument --dtype: invalid choice: 'int8' (choose from "

@@ -71,13 +71,13 @@ std::string driver_error(int code) {
 }
 
 // --- programs ------------------------------------------------------------------------------------
-enum Kind : int64_t { PTR = 0, I32 = 1, I64 = 2, F32 = 3, NUL = 4, U64 = 5, F64 = 6 };
+enum Kind : int64_t { PTR = 0, I32 = 1, I64 = 2, F32 = 3, NUL = 4, U64 = 5 };
 
 struct Param {
   int64_t kind;
   int64_t a;  // PTR: slot; I32 / I64 / U64: the value
   int64_t b;  // PTR: byte offset
-  double f;   // F32 / F64: the value
+  double f;   // F32: the value
 };
 
 size_t param_size(int64_t kind) { return (kind == I32 || kind == F32) ? 4 : 8; }
@@ -136,7 +136,6 @@ struct Program : torch::CustomClassHolder {
           case I32: *static_cast<int32_t*>(at) = static_cast<int32_t>(p.a); break;
           case I64: case U64: values[i] = static_cast<uint64_t>(p.a); break;
           case F32: *static_cast<float*>(at) = static_cast<float>(p.f); break;
-          case F64: *static_cast<double*>(at) = p.f; break;
           default: values[i] = 0;
         }
         pointers[i] = at;

@@ -6,19 +6,20 @@ launcher) and, in training, a Python ``autograd.Function`` whose backward the au
 by taking the GIL; on the H100 host that put normkit's per-call host time at 1.2-2.3x torch eager's
 (docs/performance.md). With this path a call is one Python -> C++ call and a backward no Python.
 
-How: the second time a plan (or one backward variant of it) runs, it runs *recorded*
-(:func:`record`): every tensor it allocates (a ``TorchFunctionMode`` sees the factory calls) and
-every kernel it launches (``launch.TRACE``: the compiled kernel, grid and arguments of each direct
-launch) are written down, and each kernel argument becomes a slot's address (an input of the call
-or an allocation, + an offset) or a fixed int / float. A remembered plan's call signature fixes its
+How: once a plan's kernels are bound (its third call: the first two compile them; one backward
+variant of it likewise), it runs *recorded* (:func:`record`): every tensor it allocates (a
+``TorchFunctionMode`` sees the factory calls) and every kernel it launches (``launch.TRACE``: the
+compiled kernel, grid and arguments of each direct launch) are written down, and each kernel
+argument becomes a slot's address (an input of the call or an allocation, + an offset) or a fixed
+int / float. A remembered plan's call signature fixes its
 shapes, dtypes, launch choices and scalars, so the same program serves every later call;
 ``native.cpp`` runs it. Anything the recording cannot replay exactly (a launch not through a bound
 kernel, a tensor op that computes, a tensor the plan did not allocate, a kernel parameter of a kind
 it does not pass: ``compat.native_launch``) refuses it, and that plan keeps its Python path.
 Dropout plans are never remembered (their seed changes per call), so they are never recorded.
 
-When: the extension is compiled once per torch / Python / source (``normkit native``, about a
-minute; a C++ compiler and ninja, no CUDA toolkit: the driver is looked up at run time) into
+When: the extension is compiled once per torch / Python / source (``normkit native``, 30-60 s;
+a C++ compiler and ninja, no CUDA toolkit: the driver is looked up at run time) into
 ``$NORMKIT_NATIVE_DIR`` (default ``~/.cache/normkit/native``). By default a process uses it when
 it is built and never compiles it by itself; ``NORMKIT_NATIVE=build`` builds it on first use,
 ``NORMKIT_NATIVE=0`` turns the path off. Launch hooks (profilers) and the tests' launch recording
@@ -102,18 +103,13 @@ def why() -> str | None:
     return _STATE.get("why")
 
 
-def reset() -> None:
-    """Forget the loaded extension (tests; the next plan looks again)."""
-    _STATE.clear()
-
-
 # --- recording a plan ------------------------------------------------------------------------------
 
 _FACTORIES = {torch.empty: False, torch.empty_like: False, torch.zeros: True, torch.zeros_like: True}
 # tensor functions a plan may call that neither compute nor allocate (the launch arguments' views
 # are found by address, so a view that copied would be refused there)
 _QUERIES = {"__get__", "view", "unbind", "__iter__", "__getitem__", "select", "stride", "size", "dim",
-            "numel", "element_size", "data_ptr", "is_contiguous", "new_empty"}  # fmt: skip
+            "numel", "element_size", "data_ptr", "is_contiguous"}  # fmt: skip
 
 
 class Refused(Exception):
@@ -249,49 +245,74 @@ def accelerate(plan, op: str, train: bool):
     return _TRAINING[type(plan)](plan)
 
 
-class Run:
-    """An inference plan on the native path: its second call recorded, later ones replayed."""
+class _Attempts:
+    """When a plan's closure is recorded: from its second call, until a recording is made or refused,
+    at most :data:`TRIES` times (a recording whose kernels were still compiling is tried again)."""
 
-    __slots__ = ("plan", "program", "calls", "tuple", "refused")
+    __slots__ = ("calls", "done", "refused")
+
+    def __init__(self):
+        self.calls, self.done, self.refused = 0, False, None
+
+    def due(self) -> bool:
+        self.calls += 1
+        return not self.done and 2 <= self.calls <= TRIES + 1
+
+    def record(self, fn, args):
+        """-> (fn's outputs, the Program or None)."""
+        out, made = record(fn, args)
+        if isinstance(made, str):
+            self.done, self.refused = True, made
+            return out, None
+        self.done = made is not None
+        return out, made
+
+
+class Run:
+    """An inference plan on the native path: recorded (:class:`_Attempts`), then replayed."""
+
+    __slots__ = ("plan", "program", "tuple", "attempts")
 
     def __init__(self, plan):
-        self.plan, self.program, self.calls, self.tuple, self.refused = plan, None, 0, False, None
+        self.plan, self.program, self.tuple, self.attempts = plan, None, False, _Attempts()
+
+    @property
+    def refused(self):
+        return self.attempts.refused
 
     def __call__(self, *args):
         program = self.program
         if program is not None and launch.quiet():
             out = program(args)
             return tuple(out) if self.tuple else out[0]
-        self.calls += 1
-        if not 2 <= self.calls <= TRIES + 1 or program is not None or self.refused:
+        if not self.attempts.due():
             return self.plan(*args)
-        out, made = record(self.plan, args)
-        if isinstance(made, str):
-            self.refused = made
-        elif made is not None:
+        out, made = self.attempts.record(self.plan, args)
+        if made is not None:
             self.tuple, self.program = isinstance(out, tuple), made
         return out
 
 
 class _Native:
-    """The native state of a training plan: its forward closure (recorded on its second call) and the
-    C++ autograd spec made from that recording; :class:`_Backward` holds the backward side."""
+    """The native state of a training plan: its forward closure (recorded, :class:`_Attempts`) and
+    the C++ autograd spec made from that recording; :class:`_Backward` holds the backward side."""
 
     def __init__(self, plan, family):
-        self.forward, self.family, self.spec, self.refused = plan.forward, family, None, None
-        self.calls = 0
+        self.forward, self.family, self.spec = plan.forward, family, None
+        self.attempts = _Attempts()
         self.back = _Backward(plan, family)
 
+    @property
+    def refused(self):
+        return self.attempts.refused
+
     def traced_forward(self, *args):
-        self.calls += 1
         if self.back.info is None:
             self.back.info = self.family.info(*args)
-        if not 2 <= self.calls <= TRIES + 1 or self.spec is not None or self.refused:
+        if not self.attempts.due():
             return self.forward(*args)
-        out, made = record(self.forward, args)
-        if isinstance(made, str):
-            self.refused = made
-        elif made is not None:
+        out, made = self.attempts.record(self.forward, args)
+        if made is not None:
             dtypes = self.family.grad_dtypes(args, out)
             self.spec = module().spec(made, self.family.RETURNED, self.family.SAVED, dtypes, self.back)
             self.back.node = weakref.ref(self.spec)
@@ -301,7 +322,7 @@ class _Native:
 class _Backward:
     """A training plan's backward side, which the C++ spec calls (it holds nothing that holds the
     spec: no reference cycle through C++). ``backward(...)``: the plan's backward closure, each
-    variant (with and without h's gradient) recorded on its second call into the spec; called with
+    variant (with and without h's gradient) recorded into the spec once the spec exists; called with
     ``(grads, saved)``: the Python backward the C++ node falls back to (create_graph, a variant not
     recorded yet, no incoming gradient for y), the op family's ``plans._Planned*.backward`` on a
     stand-in ctx whose plan is this object."""
@@ -309,27 +330,28 @@ class _Backward:
     def __init__(self, plan, family):
         self.plain, self.family = plan.backward, family
         self.spec, self.keep_scale = plan.spec, plan.keep_scale  # what plans._Planned*.backward reads
-        self.calls, self.info, self.node, self.refused = [0, 0], None, None, [None, None]
-        self.done = [False, False]  # variant recorded or refused
+        self.info, self.node = None, None
+        self.attempts = (_Attempts(), _Attempts())  # by variant
 
     def backward(self, *args):
-        variant = int(self.family.variant(args))
         if args[0] is None:  # no incoming gradient for y (an add-norm whose y is unused): not replayed
             return self.plain(*args)
-        self.calls[variant] += 1
+        variant = int(self.family.variant(args))
         node = None if self.node is None else self.node()
-        if not 2 <= self.calls[variant] <= TRIES + 1 or node is None or self.done[variant]:
+        if node is None or not self.attempts[variant].due():
             return self.plain(*args)
-        out, made = record(self.plain, args)
-        if isinstance(made, str):
-            self.refused[variant], self.done[variant] = made, True
-        elif made is not None:
+        out, made = self.attempts[variant].record(self.plain, args)
+        if made is not None:
             node.set_backward(variant, made)
-            self.done[variant] = True
         return out
 
     def __call__(self, grads, saved):
-        return self.family.backward(self, self.info, grads, saved)
+        return self.family.backward(self, _ctx(self, self.info, saved), grads)
+
+
+def _ctx(plan, info, saved):
+    """The ctx a ``plans._Planned*.backward`` reads, for the Python backward of a C++ node."""
+    return SimpleNamespace(saved_tensors=tuple(saved), plan=plan, **vars(info))
 
 
 class _RowNorm:
@@ -351,10 +373,9 @@ class _RowNorm:
         return False
 
     @staticmethod
-    def backward(plan, info, grads, saved):
+    def backward(plan, ctx, grads):
         if grads[0] is None:
             return [None] * 4
-        ctx = SimpleNamespace(saved_tensors=tuple(saved), plan=plan, **vars(info))
         _, dx, dw, db = plans._PlannedRowNorm.backward(ctx, grads[0])
         return [dx, None, dw, db]
 
@@ -379,13 +400,12 @@ class _AddNorm(_RowNorm):
         return args[1] is not None
 
     @staticmethod
-    def backward(plan, info, grads, saved):
-        ctx = SimpleNamespace(saved_tensors=tuple(saved), plan=plan, **vars(info))
+    def backward(plan, ctx, grads):
         _, dx, dres, dw, db = plans._PlannedAddNorm.backward(ctx, *grads)
         return [dx, dres, dw, db]
 
 
-class _Softmax:
+class _Softmax(_RowNorm):
     """softmax / log_softmax (``plans.SoftmaxTraining``): input x, forward y, backward (dy, y)."""
 
     RETURNED, SAVED = [0], [-1]
@@ -399,58 +419,44 @@ class _Softmax:
         return [out.dtype]
 
     @staticmethod
-    def variant(args):
-        return False
-
-    @staticmethod
-    def backward(plan, info, grads, saved):
-        if grads[0] is None:
-            return [None]
-        ctx = SimpleNamespace(saved_tensors=tuple(saved), plan=plan)
-        _, dx = plans._PlannedSoftmax.backward(ctx, grads[0])
-        return [dx]
+    def backward(plan, ctx, grads):
+        return [None if grads[0] is None else plans._PlannedSoftmax.backward(ctx, grads[0])[1]]
 
 
-def _wrap(cls, family):
-    class Native(cls):
-        __slots__ = ("native",)
+class _NativeCall:
+    """A training plan (``plans.Training`` or a subclass, after this mixin) on the native path:
+    called as its plan is, through the C++ autograd node once its forward is recorded."""
 
-        def __init__(self, plan):
-            state = _Native(plan, family)
-            super().__init__(state.traced_forward, state.back.backward, plan.keep_scale, spec=plan.spec)
-            self.native = state
+    __slots__ = ()
+    FAMILY: type
 
-    Native.__name__ = Native.__qualname__ = f"Native{cls.__name__}"
-    return Native
+    def __init__(self, plan):
+        state = _Native(plan, self.FAMILY)
+        super().__init__(state.traced_forward, state.back.backward, plan.keep_scale, spec=plan.spec)
+        self.native = state
 
-
-def _row_norm_call(self, x, residual, weight, bias):
-    spec = self.native.spec
-    if spec is not None and launch.quiet():
-        return module().apply(spec, [x, residual, weight, bias])[0]
-    return plans.Training.__call__(self, x, residual, weight, bias)
-
-
-def _add_norm_call(self, x, residual, weight, bias):
-    spec = self.native.spec
-    if spec is not None and launch.quiet():
-        y, h = module().apply(spec, [x, residual, weight, bias])
-        return y, h
-    return plans.AddNormTraining.__call__(self, x, residual, weight, bias)
+    def __call__(self, *args):
+        spec = self.native.spec
+        if spec is None or not launch.quiet():
+            return super().__call__(*args)
+        out = module().apply(spec, list(args))
+        return out[0] if len(out) == 1 else tuple(out)
 
 
-def _softmax_call(self, x):
-    spec = self.native.spec
-    if spec is not None and launch.quiet():
-        return module().apply(spec, [x])[0]
-    return plans.SoftmaxTraining.__call__(self, x)
+class NativeTraining(_NativeCall, plans.Training):
+    __slots__ = ("native",)
+    FAMILY = _RowNorm
 
 
-NativeTraining = _wrap(plans.Training, _RowNorm)
-NativeTraining.__call__ = _row_norm_call
-NativeAddNormTraining = _wrap(plans.AddNormTraining, _AddNorm)
-NativeAddNormTraining.__call__ = _add_norm_call
-NativeSoftmaxTraining = _wrap(plans.SoftmaxTraining, _Softmax)
-NativeSoftmaxTraining.__call__ = _softmax_call
+class NativeAddNormTraining(_NativeCall, plans.AddNormTraining):
+    __slots__ = ("native",)
+    FAMILY = _AddNorm
+
+
+class NativeSoftmaxTraining(_NativeCall, plans.SoftmaxTraining):
+    __slots__ = ("native",)
+    FAMILY = _Softmax
+
+
 _TRAINING = {plans.Training: NativeTraining, plans.AddNormTraining: NativeAddNormTraining,
              plans.SoftmaxTraining: NativeSoftmaxTraining}  # fmt: skip

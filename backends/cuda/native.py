@@ -337,8 +337,9 @@ class _Backward:
         if args[0] is None:  # no incoming gradient for y (an add-norm whose y is unused): not replayed
             return self.plain(*args)
         variant = int(self.family.variant(args))
+        due = self.attempts[variant].due()  # calls before the spec exists count too (they bind kernels)
         node = None if self.node is None else self.node()
-        if node is None or not self.attempts[variant].due():
+        if node is None or not due:
             return self.plain(*args)
         out, made = self.attempts[variant].record(self.plain, args)
         if made is not None:

@@ -50,7 +50,7 @@ import torch
 from torch import Tensor
 from torch.nn import Parameter
 
-from normkit import cpu, dispatch
+from normkit import cpu, dispatch, plans
 from normkit import functional as F
 from normkit.errors import InvalidArgument
 
@@ -321,13 +321,17 @@ def _softmax(op, fn, input, dim, stacklevel, dtype):
 
 def softmax(input, dim=None, _stacklevel=3, dtype=None):
     """:func:`normkit.functional.softmax`, also on DTensors not sharded along ``dim``."""
-    # cpu.serves and cpu.softmax's common call, inlined (~0.5 us a call: docs/performance.md)
-    if (type(input) is Tensor and type(dim) is int and dtype is None and type(_stacklevel) is int
-            and input.is_cpu and input.dtype.is_floating_point and not dispatch._IN_OVERRIDE[0]):  # fmt: skip
-        try:
-            return input.softmax(dim)
-        except cpu.ERRORS:
-            pass
+    if type(input) is Tensor and type(dim) is int and dtype is None and type(_stacklevel) is int:
+        # the common call: on CPU, cpu.softmax's inlined (~0.5 us a call); elsewhere the plan
+        # functional remembered for it, found without its layers (~1 us: docs/performance.md)
+        if not input.is_cpu:
+            if (plan := _remembered("softmax", input, dim)) is not None:
+                return plan(input)
+        elif input.dtype.is_floating_point and not dispatch._IN_OVERRIDE[0]:
+            try:
+                return input.softmax(dim)
+            except cpu.ERRORS:
+                pass
     elif type(_stacklevel) is int and cpu.serves(input):  # (a dtype there is an error: see functional)
         if (y := cpu.softmax(input, dim, dtype, False)) is not None:
             return y
@@ -336,17 +340,29 @@ def softmax(input, dim=None, _stacklevel=3, dtype=None):
 
 def log_softmax(input, dim=None, _stacklevel=3, dtype=None):
     """:func:`normkit.functional.log_softmax`, also on DTensors not sharded along ``dim``."""
-    # cpu.serves and cpu.softmax's common call, inlined (~0.5 us a call: docs/performance.md)
-    if (type(input) is Tensor and type(dim) is int and dtype is None and type(_stacklevel) is int
-            and input.is_cpu and input.dtype.is_floating_point and not dispatch._IN_OVERRIDE[0]):  # fmt: skip
-        try:
-            return input.log_softmax(dim)
-        except cpu.ERRORS:
-            pass
+    if type(input) is Tensor and type(dim) is int and dtype is None and type(_stacklevel) is int:
+        # the common call: on CPU, cpu.softmax's inlined (~0.5 us a call); elsewhere the plan
+        # functional remembered for it, found without its layers (~1 us: docs/performance.md)
+        if not input.is_cpu:
+            if (plan := _remembered("log_softmax", input, dim)) is not None:
+                return plan(input)
+        elif input.dtype.is_floating_point and not dispatch._IN_OVERRIDE[0]:
+            try:
+                return input.log_softmax(dim)
+            except cpu.ERRORS:
+                pass
     elif type(_stacklevel) is int and cpu.serves(input):  # (a dtype there is an error: see functional)
         if (y := cpu.softmax(input, dim, dtype, True)) is not None:
             return y
     return _softmax("log_softmax", F.log_softmax, input, dim, _stacklevel, dtype)
+
+
+def _remembered(op, input, dim):
+    """The plan functional._softmax remembered for this call (along the last dim), or None."""
+    n = input.dim()
+    if n and (dim == -1 or dim == n - 1):
+        return plans.stored(plans.key(op, input, (), True))
+    return None
 
 
 # --- fused residual add + dropout + norm ----------------------------------------------------------

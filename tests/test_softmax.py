@@ -273,3 +273,27 @@ def test_rows_in_parts_workspace_left_clean(run_on, op):
             x.copy_(fresh(30 + seed))
             graph.replay()
             check(x, y)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("op", SOFTMAX_OPS)
+def test_remembered_plan_serves_only_its_call(op):
+    """normkit.softmax finds the plan functional remembered for a last-dim call without functional's
+    layers (distributed._remembered); a call along another dim of a same-shaped input, a 1-dim
+    input, or a training call after inference calls must each get their own result, every call."""
+    g = torch.Generator().manual_seed(zlib.crc32(op.encode()))
+    fn, ref = getattr(normkit, op), getattr(torch, op)
+    for shape, dim, train in [((64, 64), -1, False), ((64, 64), 1, False), ((64, 64), 0, False),
+                              ((64, 64), -1, False), ((64, 64), -2, False), ((64, 64), -1, True),
+                              ((64, 64), 0, True), ((64, 64), 1, True), ((64,), 0, False), ((64,), -1, True),
+                              ((64, 64), -1, False), ((64, 64), -1, True)]:  # fmt: skip
+        x = (3 * torch.randn(shape, generator=g, dtype=torch.float64)).float().cuda().requires_grad_(train)
+        y = fn(x, dim)
+        x64 = x.detach().double().requires_grad_(train)
+        y64 = ref(x64, dim)
+        assert_close(y, y64.detach(), torch.float32, "fwd", f"{op} y, dim {dim}")
+        if train:
+            dy = torch.randn(shape, generator=g, dtype=torch.float64)
+            y.backward(dy.float().cuda())
+            y64.backward(dy)
+            assert_close(x.grad, x64.grad, torch.float32, "bwd", f"{op} dx, dim {dim}")

@@ -5,14 +5,22 @@
 #   bash ci/gpu-ab.sh .old/REV                                     # there (carry .old)
 # Runs from outside the source tree (its normkit/ would shadow the old install on PYTHONPATH); every
 # results.json names the install it measured (normkit_path), and `normkit bench --compare` prints it.
-# SUITES (default sweep,small,image), DTYPES (bfloat16,float16,float32), RUN_T (200 s a run). Logs and
-# results under $OUT (or ./gpu-out): old/, new/, new2/, new3/, ab.txt, spread.txt.
+# SUITES (default sweep,small,image), DTYPES (bfloat16,float16,float32), RUN_T (200 s a run),
+# SPREAD_SUITES (the two repeat runs: sweep, as issue 43 states the spread), NATIVE (1: build the new
+# tree's native host path first, `normkit native`; 0: the Python path). Logs and results under $OUT
+# (or ./gpu-out): old/, new/, new2/, new3/, ab.txt, spread.txt.
 set -uo pipefail
 OLD=$(realpath "${1:?usage: bash ci/gpu-ab.sh DIR_OF_THE_OLD_TREE}")
 OUT=$(realpath -m "${OUT:-gpu-out}"); mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 start=$(date +%s)
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
+if [ "${NATIVE:-1}" = 1 ]; then
+  export NORMKIT_NATIVE_DIR=${NORMKIT_NATIVE_DIR:-/tmp/normkit-native}
+  python3 -m normkit native 2>&1 | tail -1
+else
+  export NORMKIT_NATIVE=0
+fi
 site=$(mktemp -d)
 python3 -m pip install -q --no-deps --no-build-isolation --target "$site" "$OLD" 2>&1 | grep -v WARNING | tail -2
 cd "$(mktemp -d)" || exit 1
@@ -32,8 +40,11 @@ echo "compiled: $(( $(date +%s) - start )) s"
 export CUDA_VISIBLE_DEVICES=0
 PYTHONPATH=$site timeout "${RUN_T:-200}" python3 -m normkit bench $args --out "$OUT/old" > "$OUT/old.txt" 2>&1
 echo "old: exit $?, $(( $(date +%s) - start )) s"
-for run in new new2 new3; do
-  timeout "${RUN_T:-200}" python3 -m normkit bench $args --out "$OUT/$run" > "$OUT/$run.txt" 2>&1
+timeout "${RUN_T:-200}" python3 -m normkit bench $args --out "$OUT/new" > "$OUT/new.txt" 2>&1
+echo "new: exit $?, $(( $(date +%s) - start )) s"
+for run in new2 new3; do
+  timeout "${RUN_T:-200}" python3 -m normkit bench ${args/--suite ${SUITES:-sweep,small,image}/--suite ${SPREAD_SUITES:-sweep}} \
+    --out "$OUT/$run" > "$OUT/$run.txt" 2>&1
   echo "$run: exit $?, $(( $(date +%s) - start )) s"
 done
 python3 -m normkit bench --compare "$OUT/old,$OUT/new" > "$OUT/ab.txt" 2>&1

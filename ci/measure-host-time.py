@@ -5,12 +5,13 @@ microseconds per call issued back to back (forward, and forward + backward), whi
 when the kernels are this small, and the GPU time of the same call from do_bench. With
 ``profile``, a cProfile of 500 normkit layer_norm forward calls (top functions by own time).
 
-python3 ci/measure-host-time.py calls [device [n]]: the host time of one call as issue 43 states it,
+python3 ci/measure-host-time.py calls [device [n [runs]]]: the host time of one call as issue 43 states it,
 as a markdown table: layer_norm, rms_norm, softmax and the add-norms at (16, 4096) and (32768,
 4096), bf16, normkit against torch eager in this process; per call the median over n (200) calls of
 perf_counter around the forward alone, and around the forward + ``backward(dy)``, the device
 synchronized before each timed call and outside the timed region (so the host never waits for a
-queue it filled). ``device`` (default cuda): ``cpu`` runs the same protocol on CPU tensors.
+queue it filled), normkit's and torch's calls interleaved; ``runs`` tables in one process.
+``device`` (default cuda): ``cpu`` runs the same protocol on CPU tensors.
 
 python3 ci/measure-host-time.py profile-calls [dir]: a cProfile of 300 calls of each 16 x 4096 case
 of that table (normkit forward under no_grad, and forward + backward), top functions by own and by
@@ -86,34 +87,41 @@ def _calls_of(x):
 def host_us(fn, device, n=200, warmup=20):
     """Median microseconds of host time of ``fn()``, the device synchronized before each call and
     outside the timed region."""
+    return host_pair_us((fn,), device, n, warmup)[0]
+
+
+def host_pair_us(fns, device, n=200, warmup=20):
+    """:func:`host_us` of each of ``fns``, their calls interleaved (a, b, a, b, ...) so that a drift
+    of the host's speed during the measurement weighs on each alike."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    times = []
+    times = [[] for _ in fns]
     for i in range(warmup + n):
-        sync()
-        t = time.perf_counter()
-        fn()
-        dt = time.perf_counter() - t
-        if i >= warmup:
-            times.append(dt)
+        for fn, out in zip(fns, times):
+            sync()
+            t = time.perf_counter()
+            fn()
+            dt = time.perf_counter() - t
+            if i >= warmup:
+                out.append(dt)
     sync()
-    return sorted(times)[len(times) // 2] * 1e6
+    return [sorted(out)[len(out) // 2] * 1e6 for out in times]
 
 
-def calls_table(device="cuda", n=200):
+def calls_table(device="cuda", n=200, runs=1):
+    """Issue 43's table, ``runs`` times in this process (normkit's and torch's calls interleaved)."""
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    print(f"{name}, torch {torch.__version__}; host time of one call, median of {n} (us), bf16")
-    print("| call | normkit fwd | torch fwd | ratio | normkit fwd+bwd | torch fwd+bwd | ratio |")
-    print("|---|---|---|---|---|---|---|")
-    for case, nk, th in _calls(device):
-        row = []
-        for fn in (nk, th):
+    for run in range(runs):
+        print(f"{name}, torch {torch.__version__}; host time of one call, median of {n} (us), bf16, "
+              f"normkit and torch interleaved; run {run + 1} of {runs}")  # fmt: skip
+        print("| call | normkit fwd | torch fwd | ratio | normkit fwd+bwd | torch fwd+bwd | ratio |")
+        print("|---|---|---|---|---|---|---|")
+        for case, nk, th in _calls(device):
             with torch.no_grad():
-                row.append(host_us(fn, device, n))
-        dy = torch.randn_like(th())
-        for fn in (nk, th):
-            row.append(host_us(lambda fn=fn, dy=dy: fn().backward(dy), device, n))
-        cells = f"{row[0]:.1f} | {row[1]:.1f} | {row[0] / row[1]:.2f} | {row[2]:.1f} | {row[3]:.1f}"
-        print(f"| {case} | {cells} | {row[2] / row[3]:.2f} |", flush=True)
+                row = host_pair_us((nk, th), device, n)
+            dy = torch.randn_like(th())
+            row += host_pair_us([lambda fn=fn, dy=dy: fn().backward(dy) for fn in (nk, th)], device, n)
+            cells = f"{row[0]:.1f} | {row[1]:.1f} | {row[0] / row[1]:.2f} | {row[2]:.1f} | {row[3]:.1f}"
+            print(f"| {case} | {cells} | {row[2] / row[3]:.2f} |", flush=True)
 
 
 def profile_calls(out=".", n=300):
@@ -144,8 +152,8 @@ def main():
     if sys.argv[1:2] == ["profile-calls"]:
         return profile_calls(*sys.argv[2:3])
     if sys.argv[1:2] == ["calls"]:
-        device, n = (sys.argv[2:] + ["cuda", "200"][len(sys.argv[2:]):])[:2]
-        return calls_table(device, int(n))
+        device, n, runs = (sys.argv[2:] + ["cuda", "200", "1"][len(sys.argv[2:]):])[:3]
+        return calls_table(device, int(n), int(runs))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; us per call (host-bound loop) "
           f"and GPU us (do_bench)")
     print(f"{'case':<26} {'normkit fwd':>12} {'torch fwd':>10} {'normkit f+b':>12} {'torch f+b':>10} "

@@ -289,7 +289,7 @@ def test_remembered_plan_serves_only_its_call(op):
                               ((64, 64), -1, False), ((64, 64), -1, True)]:  # fmt: skip
         x = (3 * torch.randn(shape, generator=g, dtype=torch.float64)).float().cuda().requires_grad_(train)
         y = fn(x, dim)
-        x64 = x.detach().double().requires_grad_(train)
+        x64 = x.detach().cpu().double().requires_grad_(train)
         y64 = ref(x64, dim)
         assert_close(y, y64.detach(), torch.float32, "fwd", f"{op} y, dim {dim}")
         if train:

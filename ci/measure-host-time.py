@@ -122,6 +122,13 @@ def calls_table(device="cuda", n=200, runs=1):
             row += host_pair_us([lambda fn=fn, dy=dy: fn().backward(dy) for fn in (nk, th)], device, n)
             cells = f"{row[0]:.1f} | {row[1]:.1f} | {row[0] / row[1]:.2f} | {row[2]:.1f} | {row[3]:.1f}"
             print(f"| {case} | {cells} | {row[2] / row[3]:.2f} |", flush=True)
+    if device == "cuda":
+        from normkit import plans
+        from normkit.backends.cuda import native
+
+        print(f"\nnative host path: {native.why() or 'loaded'}")
+        for key, plan in plans._PLANS.items():
+            print(f"  {key[0]} {tuple(key[1])} {key[2]}: {native.state(plan)}")
 
 
 def profile_calls(out=".", n=300):

@@ -7,7 +7,9 @@ gradients are first compared with the fp64 reference (normkit.testing tolerances
 reported as ``wrong`` (not timed, and the command exits 1 after the sweep), an exception as ``fail``
 (the sweep goes on). Forward and backward are then timed separately: the forward call, and
 ``torch.autograd.grad`` of the first output w.r.t. every float input (x, weight, bias, residual)
-with ``retain_graph=True``. On CUDA the timer is ``triton.testing.do_bench`` (median; it flushes L2
+with ``retain_graph=True``, on the graph of a call made after the forward's timed runs and two
+more (not the first call's, which compiles and binds kernels; the native host path records the
+third). On CUDA the timer is ``triton.testing.do_bench`` (median; it flushes L2
 between runs); on other devices :func:`event_bench` does the same with the device module's events
 (``torch.get_device_module(device)``), and the fp64 reference is computed on the CPU from copies of
 the device inputs (NPU fp64 support is partial). Python's garbage collector is paused while each
@@ -480,6 +482,10 @@ def measure_row(case, impl, inp, ref, timer, copy) -> dict:
     except Exception as exc:
         result["error"] = _error(exc)
     try:
+        # the graph of a call past those that compile, bind and record (the native path records the
+        # third): a training step's backward follows a forward that ran as every later one does
+        for _ in range(3):
+            outs = call_inp()
         args = (outs[0], leaves(inp), inp["dy"])
         grads = torch.autograd.grad(*args, retain_graph=True)
         check_backward(case, inp, outs, grads, ref)

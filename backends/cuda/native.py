@@ -459,5 +459,27 @@ class NativeSoftmaxTraining(_NativeCall, plans.SoftmaxTraining):
     FAMILY = _Softmax
 
 
+def state(plan) -> str:
+    """What the native path does with ``plan`` so far, in words (ci/measure-host-time.py prints it)."""
+    if isinstance(plan, Run):
+        return "inference " + _state(plan.attempts, plan.program is not None)
+    native = getattr(plan, "native", None)
+    if not isinstance(native, _Native):
+        return "not a native plan: Python"
+    words = ["training forward " + _state(native.attempts, native.spec is not None)]
+    for name, attempts in zip(("backward", "backward with h's gradient"), native.back.attempts):
+        if attempts.calls:
+            words.append(f"{name} " + _state(attempts, attempts.done and attempts.refused is None))
+    return "; ".join(words)
+
+
+def _state(attempts, made):
+    if made:
+        return "replayed"
+    if attempts.refused:
+        return f"refused ({attempts.refused})"
+    return f"Python ({attempts.calls} calls, not recorded)"
+
+
 _TRAINING = {plans.Training: NativeTraining, plans.AddNormTraining: NativeAddNormTraining,
              plans.SoftmaxTraining: NativeSoftmaxTraining}  # fmt: skip

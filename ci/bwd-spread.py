@@ -1,13 +1,12 @@
 """Why a sweep backward cell moves between runs (issue 43's three-run spread), on a CUDA GPU:
 python3 ci/bwd-spread.py. For a few cells that moved, five repeats each of: do_bench of
-``torch.autograd.grad`` as `normkit bench` times it (L2 flushed before each call), the same under
-a CUDA graph (do_bench_cudagraph: GPU time alone), and the host time of one such call
-(perf_counter, median and 90th percentile, the GPU synchronized before each)."""
+``torch.autograd.grad`` as `normkit bench` times it (L2 flushed before each call) and the host time
+of one such call (perf_counter, median and 90th percentile, the GPU synchronized before each)."""
 
 import time
 
 import torch
-from triton.testing import do_bench, do_bench_cudagraph
+from triton.testing import do_bench
 
 import normkit
 
@@ -50,12 +49,7 @@ for op, dtype, m, n in CELLS:
     dy = torch.randn_like(y)
     grad = lambda y=y, leaves=leaves, dy=dy: torch.autograd.grad(y, leaves, dy, retain_graph=True)  # noqa: E731
     flushed = [do_bench(grad, warmup=25, rep=100, return_mode="median") * 1e3 for _ in range(5)]
-    try:
-        graphed = [do_bench_cudagraph(grad, rep=100, return_mode="median") * 1e3 for _ in range(5)]
-    except Exception as exc:  # noqa: BLE001 (a diagnostic: say why and go on)
-        print(f"cudagraph: {type(exc).__name__}: {str(exc)[:200]}")
-        graphed = []
     h = [host(grad) for _ in range(3)]
     print(f"{op} {dtype} {m}x{n} bwd us: do_bench {' '.join(f'{v:.0f}' for v in flushed)} | "
-          f"cudagraph {' '.join(f'{v:.0f}' for v in graphed)} | host median/p90 "
+          "host median/p90 "
           f"{' '.join(f'{a:.0f}/{c:.0f}' for a, c in h)}", flush=True)

@@ -9,8 +9,12 @@ import torch
 from triton.testing import do_bench
 
 import normkit
+from normkit import plans
+from normkit.backends.cuda import native
 
-CELLS = [("add_rms_norm", torch.float32, 8192, 16384), ("add_rms_norm", torch.bfloat16, 4096, 32768),
+CELLS = [("add_rms_norm", torch.bfloat16, 131072, 1024), ("add_rms_norm", torch.bfloat16, 65536, 2048),
+         ("add_rms_norm", torch.bfloat16, 16384, 8192), ("add_rms_norm", torch.bfloat16, 2048, 65536),
+         ("add_rms_norm", torch.float32, 8192, 16384), ("add_rms_norm", torch.bfloat16, 4096, 32768),
          ("add_layer_norm", torch.bfloat16, 65536, 2048), ("rms_norm", torch.float16, 16384, 8192),
          ("layer_norm", torch.bfloat16, 32768, 4096)]  # fmt: skip
 
@@ -53,3 +57,5 @@ for op, dtype, m, n in CELLS:
     print(f"{op} {dtype} {m}x{n} bwd us: do_bench {' '.join(f'{v:.0f}' for v in flushed)} | "
           "host median/p90 "
           f"{' '.join(f'{a:.0f}/{c:.0f}' for a, c in h)}", flush=True)
+    key = next(k for k in reversed(plans._PLANS) if k[0] == op and k[-1])
+    print(f"  {native.state(plans._PLANS[key])}")

@@ -9,7 +9,8 @@ exactly once in its function: update it with the code) and one whose tests crash
     python ci/mutants.py NAME ...        # some of them
 
 A mutant names a function (``name`` or ``Class.name``) and a piece of its source, not a line
-number, so it follows the code through refactors. The mutants themselves: ci/mutant_set.py.
+number, so it follows the code through refactors (a C++ source: no function, a piece found once in
+the file). The mutants themselves: ci/mutant_set.py.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 class Mutant:
     name: str
     path: str  # file, relative to the repository root
-    function: str  # the function (or Class.method) whose source holds ``old``
+    function: str  # the function (or Class.method) whose source holds ``old``; "": the whole file
     old: str  # replaced by ``new``; must occur exactly once in the function
     new: str
     tests: tuple[str, ...]  # pytest arguments: the tests that must catch it
@@ -63,6 +64,10 @@ def _function_span(source: str, qualname: str) -> tuple[int, int]:
 
 
 def _edit(source: str, function: str, old: str, new: str) -> str:
+    if not function:  # a file that is not Python (native.cpp): ``old`` once in the whole file
+        if source.count(old) != 1:
+            raise StaleMutant(f"{old!r} occurs {source.count(old)} times in the file")
+        return source.replace(old, new)
     first, last = _function_span(source, function)
     lines = source.splitlines(keepends=True)
     body = "".join(lines[first - 1 : last])

@@ -53,7 +53,6 @@ def main():
     copy = bench.copy_gbps("cuda")
     print(f"{torch.cuda.get_device_name()}, triton fused backward sweep; copy {copy:.0f} GB/s", flush=True)
     table, limit = dict(config.FUSED_BWD), dict(config.FUSED_MAX_N_BWD)
-    dropped = dict(config.FUSED_BWD_DROPOUT)
     for dtype, is_rms, n in itertools.product(DTYPES, (False, True), NS):
         dt = getattr(torch, dtype)
         m = (1 << 27) // n
@@ -63,27 +62,22 @@ def main():
         mean = xf.mean(1)
         var = xf.pow(2).mean(1) if is_rms else xf.var(1, unbiased=False)
         rstd = (var + 1e-5).rsqrt()
-        config.FUSED_BWD, config.FUSED_MAX_N_BWD, config.FUSED_BWD_DROPOUT = table, limit, dropped
-        config.clear_caches()
-        cfg = config.backward(m, n, dt, x.device, is_rms, dres=DROPOUT > 0, dropout=DROPOUT > 0)
-        now = fraction(is_rms, x, dy, w, mean, rstd, copy, 20)
+        with config.tables():  # the tables as they are
+            cfg = config.backward(m, n, dt, x.device, is_rms, dres=DROPOUT > 0, dropout=DROPOUT > 0)
+            now = fraction(is_rms, x, dy, w, mean, rstd, copy, 20)
         kind = "fused" if cfg.fused else ("split" if cfg.split > 1 else "looped")
         res = []
-        config.FUSED_MAX_N_BWD = {key: 1 << 30 for key in limit}
         for pps, (ept, tile), pre in SETTINGS:
             entry = config._FusedBwd(1 << 30, pps, ept, tile, pre)
-            config.FUSED_BWD = {key: (entry,) for key in table}
-            config.FUSED_BWD_DROPOUT = {}
-            config.clear_caches()
-            res.append((fraction(is_rms, x, dy, w, mean, rstd, copy), pps, ept, tile, pre))
+            with config.tables(FUSED_MAX_N_BWD={key: 1 << 30 for key in limit},
+                               FUSED_BWD={key: (entry,) for key in table}, FUSED_BWD_DROPOUT={}):
+                res.append((fraction(is_rms, x, dy, w, mean, rstd, copy), pps, ept, tile, pre))
         res.sort(reverse=True)
         fmt = lambda r: f"{r[0]:.3f}({r[1]},{r[2]},{r[3]},{'P' if r[4] else '-'})"  # noqa: E731
         op = ("add_" if DROPOUT else "") + ("rms_norm" if is_rms else "layer_norm")
         print(f"{op} {dtype} {n}: now {kind} {now:.3f} | best",
               " ".join(fmt(r) for r in res[:5]), "| worst", " ".join(fmt(r) for r in res[-2:]), flush=True)
         del x, dy, xf
-    config.FUSED_BWD, config.FUSED_MAX_N_BWD, config.FUSED_BWD_DROPOUT = table, limit, dropped
-    config.clear_caches()
 
 
 if __name__ == "__main__":

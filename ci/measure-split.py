@@ -24,25 +24,20 @@ import normkit
 from normkit.backends.cuda import config
 from normkit.testing import assert_close, reference_results, softmax_reference
 
-DEFAULTS = (config.SPLIT_FWD, config.SPLIT_BWD, config.SPLIT_SOFTMAX_BWD, config.MAX_REGISTERS)
-
-
 def setting(name):
-    """Apply one named launch setting to config: ``default``, ``nosplit`` (fused / looped kernels
-    only), or ``fwd<chunk>x<warps>r<cap>`` (the split forward with that chunk, warps and register
-    cap; up to 256 chunks a row)."""
-    config.SPLIT_FWD, config.SPLIT_BWD, config.SPLIT_SOFTMAX_BWD, config.MAX_REGISTERS = DEFAULTS
+    """One named launch setting as ``config.tables(...)``: ``default``, ``nosplit`` (fused / looped
+    kernels only), or ``fwd<chunk>x<warps>r<cap>`` (the split forward with that chunk, warps and
+    register cap; up to 256 chunks a row)."""
     if name == "nosplit":
         off = config.SplitRows(1 << 20, 4, 256, 0)  # no row has at most 0 chunks
-        config.SPLIT_SOFTMAX_BWD = {key: off for key in DEFAULTS[2]}
-        config.SPLIT_FWD = {key: off for key in DEFAULTS[0]}
-        config.SPLIT_BWD = (off,)
-    elif name.startswith("fwd"):
+        return config.tables(SPLIT_SOFTMAX_BWD={key: off for key in config.SPLIT_SOFTMAX_BWD},
+                             SPLIT_FWD={key: off for key in config.SPLIT_FWD}, SPLIT_BWD=(off,))  # fmt: skip
+    if name.startswith("fwd"):
         chunk, rest = name[3:].split("x")
         warps, cap = rest.split("r")
-        setting = config.SplitRows(int(chunk), int(warps), int(cap), 256)
-        config.SPLIT_FWD = {key: setting for key in DEFAULTS[0]}
-    config.clear_caches()
+        split = config.SplitRows(int(chunk), int(warps), int(cap), 256)
+        return config.tables(SPLIT_FWD={key: split for key in config.SPLIT_FWD})
+    return config.tables()
 
 
 def copy_gbps():
@@ -146,16 +141,13 @@ def sweep(kind, dtypes):
                     value = {key: value for key in keys}
                 elif attr == "SPLIT_BWD":  # settings tried in order
                     value = (value,)
-                setattr(config, attr, value)
-                config.clear_caches()
-                out = fn()
-                out = out[0] if isinstance(out, tuple) else out
-                err = (out.float() - ref.float()).abs() - 0.02 * ref.float().abs()
-                assert err.max() <= 0.05, (op, split)
-                frac = units * ref.numel() * ref.element_size() / mhb.gpu_ms(fn, 10) / 1e6 / copy
+                with config.tables(**{attr: value}):
+                    out = fn()
+                    out = out[0] if isinstance(out, tuple) else out
+                    err = (out.float() - ref.float()).abs() - 0.02 * ref.float().abs()
+                    assert err.max() <= 0.05, (op, split)
+                    frac = units * ref.numel() * ref.element_size() / mhb.gpu_ms(fn, 10) / 1e6 / copy
                 res.append((frac, _name(split)))
-            setattr(config, attr, default)
-            config.clear_caches()
             base = res[0][0]
             res.sort(reverse=True)
             best = " ".join(f"{f:.3f}({name})" for f, name in res[:6])
@@ -176,11 +168,10 @@ def main():
         for n in ns:
             cells = []
             for name in names:
-                setting(name)
-                f, b = case(op, (1 << 27) // n, n, torch.bfloat16)
+                with setting(name):
+                    f, b = case(op, (1 << 27) // n, n, torch.bfloat16)
                 cells.append(f"{name} {f / copy:.2f}/{b / copy:.2f}")
             print(f"{op:11s} {n:7d} " + " | ".join(cells), flush=True)
-    setting("default")
 
 
 if __name__ == "__main__":

@@ -270,22 +270,15 @@ SMEM_SHAPES = [(1, 40000), (300, 40000), (3, 65536), (2, 98304), (140, 114688)]
                                        if op == "layer_norm" or not a[1]], ids=str)  # fmt: skip
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("shape", SMEM_SHAPES, ids=str)
-def test_rows_in_shared_memory(run_on, monkeypatch, shape, dtype, op, affine):
+def test_rows_in_shared_memory(run_on, shape, dtype, op, affine):
     """The one-program shared-memory forward (chosen for these shapes with LayerNorm's rows in parts
     taken out of the config, asserted) matches fp64, with and without weight / bias; misaligned rows
     of the same shape take the split forward and match too."""
-    from normkit import plans
     from normkit.backends.cuda import config
 
-    monkeypatch.delitem(config.SMEM_SPLIT_FWD, "layer_norm")
-    config.clear_caches()
-    plans._PLANS.clear()  # plans hold the launch configs of their signature
-    try:
+    without = {k: v for k, v in config.SMEM_SPLIT_FWD.items() if k != "layer_norm"}
+    with config.tables(SMEM_SPLIT_FWD=without):  # (plans made under it forgotten on the way out)
         _check_rows_in_shared_memory(run_on, shape, dtype, op, affine)
-    finally:
-        monkeypatch.undo()
-        config.clear_caches()
-        plans._PLANS.clear()
 
 
 def _check_rows_in_shared_memory(run_on, shape, dtype, op, affine):

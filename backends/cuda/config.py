@@ -222,7 +222,7 @@ def _or(forced_value, measured):
 # Launch configs are pure functions of (shape, dtype, device) and the Force in effect: each public
 # chooser below is memoized (bounded, thread-safe lru_cache). A 16 x 4096 LayerNorm forward +
 # backward spent ~12% of its host time choosing configs (cProfile on the H100; docs/tuning-log.md
-# T9). Scripts that change the constants above call clear_caches().
+# T9). Measurement scripts change the constants above only through tables().
 CACHE_SIZE = 1024
 _CACHED = []
 
@@ -241,13 +241,36 @@ def _memoized(fn):
 
 
 def clear_caches() -> None:
-    """Forget memoized launch configs (after changing a threshold constant of this module), and the
-    compiled kernels cached under call-site launch keys, which assume these constants (launch.py)."""
+    """Forget memoized launch configs (after changing a threshold constant of this module), the
+    compiled kernels cached under call-site launch keys, which assume these constants (launch.py),
+    and the remembered plans, which hold configs chosen under them (normkit/plans.py)."""
+    from normkit import plans
     from normkit.backends.cuda import launch
 
     for fn in _CACHED:
         fn.cache_clear()
     launch._CACHE.clear()
+    plans._PLANS.clear()
+
+
+@contextlib.contextmanager
+def tables(**values) -> Iterator[None]:
+    """The block runs with some of this module's tables and thresholds replaced (``FUSED_BWD=...``),
+    for the measurement scripts (ci/measure-*.py) that sweep them; every choice made under other
+    values is forgotten on the way in and out (:func:`clear_caches`), and the values are restored.
+    Tests force strategies through ``dispatch.use_strategy`` instead."""
+    module = globals()
+    unknown = sorted(k for k in values if not k.isupper() or k not in module)
+    if unknown:
+        raise ValueError(f"config.tables: no table or threshold named {', '.join(unknown)} in {__name__}")
+    saved = {k: module[k] for k in values}
+    module.update(values)
+    clear_caches()
+    try:
+        yield
+    finally:
+        module.update(saved)
+        clear_caches()
 
 
 @dataclass(frozen=True)

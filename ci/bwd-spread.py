@@ -57,5 +57,5 @@ for op, dtype, m, n in CELLS:
     print(f"{op} {dtype} {m}x{n} bwd us: do_bench {' '.join(f'{v:.0f}' for v in flushed)} | "
           "host median/p90 "
           f"{' '.join(f'{a:.0f}/{c:.0f}' for a, c in h)}", flush=True)
-    key = next(k for k in reversed(plans._PLANS) if k[0] == op and k[-1])
-    print(f"  {native.state(plans._PLANS[key])}")
+    key = next((k for k in reversed(plans._PLANS) if k[0] == op and k[-1]), None)
+    print(f"  {native.state(plans._PLANS[key]) if key else 'no remembered training plan'}")

@@ -30,7 +30,7 @@ echo "new: $(python3 -c 'import normkit; print(normkit.__file__)')"
 # Compile both installs' kernels first: 8 shards each with 1 ms timings (discarded), over every GPU.
 gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 for i in 0 1 2 3 4 5 6 7; do
-  (CUDA_VISIBLE_DEVICES=$((i % gpus)) PYTHONPATH=$site timeout 100 python3 -m normkit bench $args \
+  (CUDA_VISIBLE_DEVICES=$((i % gpus)) NORMKIT_NATIVE=0 PYTHONPATH=$site timeout 100 python3 -m normkit bench $args \
      --shard "$i/8" --rep-ms 1 --warmup-ms 1 > /dev/null 2>&1) &
   (CUDA_VISIBLE_DEVICES=$((i % gpus)) timeout 100 python3 -m normkit bench $args \
      --shard "$i/8" --rep-ms 1 --warmup-ms 1 > /dev/null 2>&1) &
@@ -38,7 +38,8 @@ done
 wait
 echo "compiled: $(( $(date +%s) - start )) s"
 export CUDA_VISIBLE_DEVICES=0
-PYTHONPATH=$site timeout "${RUN_T:-200}" python3 -m normkit bench $args --out "$OUT/old" > "$OUT/old.txt" 2>&1
+NORMKIT_NATIVE=0 PYTHONPATH=$site timeout "${RUN_T:-200}" python3 -m normkit bench $args --out "$OUT/old" \
+  > "$OUT/old.txt" 2>&1  # (the old tree on its Python path: one installed before 4e6a466 has no native.cpp)
 echo "old: exit $?, $(( $(date +%s) - start )) s"
 timeout "${RUN_T:-200}" python3 -m normkit bench $args --out "$OUT/new" > "$OUT/new.txt" 2>&1
 echo "new: exit $?, $(( $(date +%s) - start )) s"

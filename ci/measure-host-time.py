@@ -126,7 +126,7 @@ def calls_table(device="cuda", n=200, runs=1):
         from normkit import plans
         from normkit.backends.cuda import native
 
-        print(f"\nnative host path: {native.why() or 'loaded'}")
+        print(f"\nnative host path: {'loaded' if native.module() is not None else native.why()}")
         for key, plan in plans._PLANS.items():
             print(f"  {key[0]} {tuple(key[1])} {key[2]}: {native.state(plan)}")
 

@@ -24,6 +24,7 @@ import normkit
 from normkit.backends.cuda import config
 from normkit.testing import assert_close, reference_results, softmax_reference
 
+
 def setting(name):
     """One named launch setting as ``config.tables(...)``: ``default``, ``nosplit`` (fused / looped
     kernels only), or ``fwd<chunk>x<warps>r<cap>`` (the split forward with that chunk, warps and

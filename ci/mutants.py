@@ -110,6 +110,8 @@ def run_one(mutant: Mutant, scratch: Path) -> tuple[str, float, str]:
     except StaleMutant as exc:
         return "STALE", 0.0, str(exc)
     env = dict(os.environ, PYTHONPATH=str(scratch), PYTHONDONTWRITEBYTECODE="1")
+    if not mutant.path.endswith(".py"):  # the mutated extension is built in the scratch copy, not the cache
+        env["NORMKIT_NATIVE_DIR"] = str(scratch / ".native")
     start = time.perf_counter()
     try:
         args = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--tb=line",

@@ -169,8 +169,9 @@ def _api_forward(ns, op, dropout=0.0):
                                         i["bias"], True, 0.1, EPS),)  # fmt: skip
     if ns is normkit:  # the fused add-norm, both outputs
         fn, params = getattr(normkit, op), ("weight", "bias") if op == "add_layer_norm" else ("weight",)
+        seed = DROPOUT_SEED if dropout else None  # (a call with a seed is not served by a remembered plan)
         return lambda i: fn(i["x"], i["residual"], i["x"].shape[-1:], *(i[p] for p in params), eps=EPS,
-                            prenorm=True, dropout_p=dropout, seed=DROPOUT_SEED)  # fmt: skip
+                            prenorm=True, dropout_p=dropout, seed=seed)  # fmt: skip
     norm = _api_forward(ns, op.removeprefix("add_"))
 
     def add_norm(i):
@@ -483,11 +484,18 @@ def measure_row(case, impl, inp, ref, timer, copy) -> dict:
         result["error"] = _error(exc)
     try:
         # the graph of a call past those that compile, bind and record (the native path records the
-        # third): a training step's backward follows a forward that ran as every later one does
+        # third): a training step's backward follows a forward that ran as every later one does;
+        # that forward checked too, and the backward's third run (a replayed one), not its first
         for _ in range(3):
             outs = call_inp()
+        try:
+            check_forward(case, outs, ref)
+        except AssertionError as exc:
+            result.update(fwd=("wrong", None), error=result["error"] or _error(exc))
+            raise
         args = (outs[0], leaves(inp), inp["dy"])
-        grads = torch.autograd.grad(*args, retain_graph=True)
+        for _ in range(3):
+            grads = torch.autograd.grad(*args, retain_graph=True)
         check_backward(case, inp, outs, grads, ref)
         result["bwd"] = ("ok", timer(lambda: torch.autograd.grad(*args, retain_graph=True)))
     except AssertionError as exc:

@@ -277,7 +277,7 @@ def test_rows_in_parts_workspace_left_clean(run_on, op):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("op", SOFTMAX_OPS)
-def test_remembered_plan_serves_only_its_call(op):
+def test_remembered_plan_serves_only_its_call(op, monkeypatch):
     """normkit.softmax finds the plan functional remembered for a last-dim call without functional's
     layers (distributed._remembered); a call along another dim of a same-shaped input, a 1-dim
     input, or a training call after inference calls must each get their own result, every call."""
@@ -297,3 +297,8 @@ def test_remembered_plan_serves_only_its_call(op):
             y.backward(dy.float().cuda())
             y64.backward(dy)
             assert_close(x.grad, x64.grad, torch.float32, "bwd", f"{op} dx, dim {dim}")
+    # and a repeated last-dim call is served before functional's layers (distributed._remembered)
+    x = torch.randn(64, 64, generator=g, dtype=torch.float64).float().cuda()
+    fn(x, -1)
+    monkeypatch.setattr(normkit.functional, "_softmax", None)  # (calling it would raise)
+    assert_close(fn(x, -1), ref(x.double().cpu(), -1), torch.float32, "fwd", f"{op} y, remembered")

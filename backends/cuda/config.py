@@ -253,14 +253,19 @@ def clear_caches() -> None:
     plans._PLANS.clear()
 
 
+_NOT_TABLES = {"BACKEND", "NOT_FORCED", "CACHE_SIZE"}  # upper-case names tables() does not change
+
+
 @contextlib.contextmanager
 def tables(**values) -> Iterator[None]:
     """The block runs with some of this module's tables and thresholds replaced (``FUSED_BWD=...``),
     for the measurement scripts (ci/measure-*.py) that sweep them; every choice made under other
     values is forgotten on the way in and out (:func:`clear_caches`), and the values are restored.
-    Tests force strategies through ``dispatch.use_strategy`` instead."""
+    Tests force strategies through ``dispatch.use_strategy`` instead. Module state: one thread, no
+    other normkit calls running; a table computed at import from another constant (``SPLIT_BWD``
+    from ``MAX_REGISTERS``) keeps its value."""
     module = globals()
-    unknown = sorted(k for k in values if not k.isupper() or k not in module)
+    unknown = sorted(k for k in values if not k.isupper() or k not in module or k in _NOT_TABLES)
     if unknown:
         raise ValueError(f"config.tables: no table or threshold named {', '.join(unknown)} in {__name__}")
     saved = {k: module[k] for k in values}

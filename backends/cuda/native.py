@@ -76,8 +76,8 @@ def module(build: bool | None = None):
             _STATE.update(module=None, why="NORMKIT_NATIVE=0")
             return None
         build = mode == "build" if build is None else build
-        path = build_dir() / f"{name()}.so"
-        try:
+        try:  # (a missing native.cpp, as in a wheel before 4e6a466, is a reason too, not an error)
+            path = build_dir() / f"{name()}.so"
             if path.exists():
                 spec = importlib.util.spec_from_file_location(name(), path)
                 found = importlib.util.module_from_spec(spec)

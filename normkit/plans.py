@@ -322,11 +322,6 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 def overrides_key() -> tuple:
     """The backend and strategy overrides in effect (dispatch.use_backend / use_strategy), as part of
     a memo key."""
-    # None in any context (the count of open use_backend / use_strategy blocks; a context copied
-    # inside a block and run after it closed would see an override the count no longer shows,
-    # as for cpu.serves): the ContextVar need not be read.
-    if not dispatch._IN_OVERRIDE[0]:
-        return ()
     overrides = dispatch.overrides()
     return tuple(overrides.items()) if overrides else ()
 

@@ -308,7 +308,32 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):
                     lambda x, weight: F.rms_norm(x, normalized_shape, weight, eps))  # fmt: skip
 
 
-def _softmax(op, fn, input, dim, stacklevel, dtype):
+def softmax(input, dim=None, _stacklevel=3, dtype=None):
+    """:func:`normkit.functional.softmax`, also on DTensors not sharded along ``dim``."""
+    return _softmax("softmax", False, input, dim, _stacklevel, dtype)
+
+
+def log_softmax(input, dim=None, _stacklevel=3, dtype=None):
+    """:func:`normkit.functional.log_softmax`, also on DTensors not sharded along ``dim``."""
+    return _softmax("log_softmax", True, input, dim, _stacklevel, dtype)
+
+
+def _softmax(op, log, input, dim, stacklevel, dtype):
+    if type(input) is Tensor and type(dim) is int and dtype is None and type(stacklevel) is int:
+        # the common call: on CPU, cpu.softmax's inlined (~0.5 us a call); elsewhere the plan
+        # functional remembered for it, found without its layers (~1 us: docs/performance.md)
+        if not input.is_cpu:
+            if (plan := plans.stored(F.softmax_key(op, input, dim, None))) is not None:
+                return plan(input)
+        elif input.dtype.is_floating_point and not dispatch._IN_OVERRIDE[0]:
+            try:
+                return input.log_softmax(dim) if log else input.softmax(dim)
+            except cpu.ERRORS:
+                pass
+    elif type(stacklevel) is int and cpu.serves(input):  # (a dtype there is an error: see functional)
+        if (y := cpu.softmax(input, dim, dtype, log)) is not None:
+            return y
+    fn = F.log_softmax if log else F.softmax
     # stacklevel + 2: the implicit-dim warning points at the caller, through this module's two frames
     level = stacklevel + 2 if type(stacklevel) is int else stacklevel
     if _plain(input):
@@ -317,52 +342,6 @@ def _softmax(op, fn, input, dim, stacklevel, dtype):
         dim % input.dim()}  # fmt: skip
     return _sharded(op, input, "input", bad, f"Replicate() or Shard(d) with d != dim ({dim})", {},
                     lambda x: fn(x, dim, level, dtype))  # fmt: skip
-
-
-def softmax(input, dim=None, _stacklevel=3, dtype=None):
-    """:func:`normkit.functional.softmax`, also on DTensors not sharded along ``dim``."""
-    if type(input) is Tensor and type(dim) is int and dtype is None and type(_stacklevel) is int:
-        # the common call: on CPU, cpu.softmax's inlined (~0.5 us a call); elsewhere the plan
-        # functional remembered for it, found without its layers (~1 us: docs/performance.md)
-        if not input.is_cpu:
-            if (plan := _remembered("softmax", input, dim)) is not None:
-                return plan(input)
-        elif input.dtype.is_floating_point and not dispatch._IN_OVERRIDE[0]:
-            try:
-                return input.softmax(dim)
-            except cpu.ERRORS:
-                pass
-    elif type(_stacklevel) is int and cpu.serves(input):  # (a dtype there is an error: see functional)
-        if (y := cpu.softmax(input, dim, dtype, False)) is not None:
-            return y
-    return _softmax("softmax", F.softmax, input, dim, _stacklevel, dtype)
-
-
-def log_softmax(input, dim=None, _stacklevel=3, dtype=None):
-    """:func:`normkit.functional.log_softmax`, also on DTensors not sharded along ``dim``."""
-    if type(input) is Tensor and type(dim) is int and dtype is None and type(_stacklevel) is int:
-        # the common call: on CPU, cpu.softmax's inlined (~0.5 us a call); elsewhere the plan
-        # functional remembered for it, found without its layers (~1 us: docs/performance.md)
-        if not input.is_cpu:
-            if (plan := _remembered("log_softmax", input, dim)) is not None:
-                return plan(input)
-        elif input.dtype.is_floating_point and not dispatch._IN_OVERRIDE[0]:
-            try:
-                return input.log_softmax(dim)
-            except cpu.ERRORS:
-                pass
-    elif type(_stacklevel) is int and cpu.serves(input):  # (a dtype there is an error: see functional)
-        if (y := cpu.softmax(input, dim, dtype, True)) is not None:
-            return y
-    return _softmax("log_softmax", F.log_softmax, input, dim, _stacklevel, dtype)
-
-
-def _remembered(op, input, dim):
-    """The plan functional._softmax remembered for this call (along the last dim), or None."""
-    n = input.dim()
-    if n and (dim == -1 or dim == n - 1):
-        return plans.stored(plans.key(op, input, (), True))
-    return None
 
 
 # --- fused residual add + dropout + norm ----------------------------------------------------------

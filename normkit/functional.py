@@ -307,13 +307,19 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):
     return _shaped(plan(x, None, p["weight"], None), input)
 
 
-def _softmax(op: str, input, dim, stacklevel, dtype, log: bool):
+def softmax_key(op: str, input, dim, dtype):
+    """The plan key of a softmax / log_softmax call: only a last-dim call without ``dtype`` has one
+    (normkit.distributed looks its plan up with it before this module's layers)."""
     along_last = type(dim) is int and type(input) is torch.Tensor and input.dim() > 0 and (
         dim in (-1, input.dim() - 1))
+    return plans.key(op, input, (), True if along_last and dtype is None else None)
+
+
+def _softmax(op: str, input, dim, stacklevel, dtype, log: bool):
     if type(stacklevel) is not int and isinstance(stacklevel, torch.dtype):
         raise TypeError(f"{op}: the third positional argument is _stacklevel, as in torch.nn.functional."
                         f"{op}, got the dtype {stacklevel}; pass dtype={stacklevel} by keyword")  # fmt: skip
-    key = plans.key(op, input, (), True if along_last and dtype is None else None)
+    key = softmax_key(op, input, dim, dtype)
     plan = plans.stored(key)
     if plan is not None:
         return plan(input)

@@ -279,8 +279,9 @@ def test_rows_in_parts_workspace_left_clean(run_on, op):
 @pytest.mark.parametrize("op", SOFTMAX_OPS)
 def test_remembered_plan_serves_only_its_call(op, monkeypatch):
     """normkit.softmax finds the plan functional remembered for a last-dim call without functional's
-    layers (distributed._remembered); a call along another dim of a same-shaped input, a 1-dim
-    input, or a training call after inference calls must each get their own result, every call."""
+    layers (distributed._softmax, by functional.softmax_key); a call along another dim of a
+    same-shaped input, a 1-dim input, or a training call after inference calls must each get their
+    own result, every call."""
     if not torch.cuda.is_available():
         pytest.skip("cuda: no CUDA GPU available")
     g = torch.Generator().manual_seed(zlib.crc32(op.encode()))
@@ -299,7 +300,7 @@ def test_remembered_plan_serves_only_its_call(op, monkeypatch):
             y.backward(dy.float().cuda())
             y64.backward(dy)
             assert_close(x.grad, x64.grad, torch.float32, "bwd", f"{op} dx, dim {dim}")
-    # and a repeated last-dim call is served before functional's layers (distributed._remembered)
+    # and a repeated last-dim call is served before functional's layers (distributed._softmax)
     x = torch.randn(64, 64, generator=g, dtype=torch.float64).float().cuda()
     fn(x, -1)
     monkeypatch.setattr(normkit.functional, "_softmax", None)  # (calling it would raise)

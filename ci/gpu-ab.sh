@@ -9,9 +9,15 @@
 # SPREAD_SUITES (the two repeat runs: sweep, as issue 43 states the spread), NATIVE (1: build the new
 # tree's native host path first, `normkit native`; 0: the Python path). Logs and results under $OUT
 # (or ./gpu-out): old/, new/, new2/, new3/, ab.txt, spread.txt.
+# STEPS (default "old new new2 new3") runs some of the runs, RESULTS (default $OUT) keeps them: one
+# device call runs 600 s at most, so on one GPU the A/B is three calls to the same warm machine with
+# RESULTS=/tmp/ab (kept while it is warm): STEPS=old, STEPS="new new2", STEPS=new3; each call
+# compares what RESULTS holds so far and brings back the runs it made.
 set -uo pipefail
 OLD=$(realpath "${1:?usage: bash ci/gpu-ab.sh DIR_OF_THE_OLD_TREE}")
 OUT=$(realpath -m "${OUT:-gpu-out}"); mkdir -p "$OUT"
+RES=$(realpath -m "${RESULTS:-$OUT}"); mkdir -p "$RES"
+STEPS=" ${STEPS:-old new new2 new3} "
 export PYTHONUNBUFFERED=1
 start=$(date +%s)
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
@@ -21,35 +27,55 @@ if [ "${NATIVE:-1}" = 1 ]; then
 else
   export NORMKIT_NATIVE=0
 fi
-site=$(mktemp -d)
-python3 -m pip install -q --no-deps --no-build-isolation --target "$site" "$OLD" 2>&1 | grep -v WARNING | tail -2
+site=$RES/old-site
+[ -d "$site/normkit" ] || python3 -m pip install -q --no-deps --no-build-isolation --target "$site" "$OLD" 2>&1 \
+  | grep -v WARNING | tail -2
 cd "$(mktemp -d)" || exit 1
 args="--suite ${SUITES:-sweep,small,image} --dtypes ${DTYPES:-bfloat16,float16,float32} --impls normkit"
 echo "old: $(PYTHONPATH=$site python3 -c 'import normkit; print(normkit.__file__)')"
 echo "new: $(python3 -c 'import normkit; print(normkit.__file__)')"
-# Compile both installs' kernels first: 8 shards each with 1 ms timings (discarded), over every GPU.
+# Compile both installs' kernels first (once a machine): 8 shards each with 1 ms timings
+# (discarded), over every GPU.
 gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-for i in 0 1 2 3 4 5 6 7; do
-  (CUDA_VISIBLE_DEVICES=$((i % gpus)) NORMKIT_NATIVE=0 PYTHONPATH=$site timeout 100 python3 -m normkit bench $args \
-     --shard "$i/8" --rep-ms 1 --warmup-ms 1 > /dev/null 2>&1) &
-  (CUDA_VISIBLE_DEVICES=$((i % gpus)) timeout 100 python3 -m normkit bench $args \
-     --shard "$i/8" --rep-ms 1 --warmup-ms 1 > /dev/null 2>&1) &
-done
-wait
-echo "compiled: $(( $(date +%s) - start )) s"
+if [ ! -e "$RES/compiled" ]; then
+  for i in 0 1 2 3 4 5 6 7; do
+    (CUDA_VISIBLE_DEVICES=$((i % gpus)) NORMKIT_NATIVE=0 PYTHONPATH=$site timeout 100 python3 -m normkit bench \
+       $args --shard "$i/8" --rep-ms 1 --warmup-ms 1 > /dev/null 2>&1) &
+    (CUDA_VISIBLE_DEVICES=$((i % gpus)) timeout 100 python3 -m normkit bench $args \
+       --shard "$i/8" --rep-ms 1 --warmup-ms 1 > /dev/null 2>&1) &
+  done
+  wait
+  touch "$RES/compiled"
+  echo "compiled: $(( $(date +%s) - start )) s"
+fi
 export CUDA_VISIBLE_DEVICES=0
-NORMKIT_NATIVE=0 PYTHONPATH=$site timeout "${RUN_T:-200}" python3 -m normkit bench $args --out "$OUT/old" \
-  > "$OUT/old.txt" 2>&1  # (the old tree on its Python path: one installed before 4e6a466 has no native.cpp)
-echo "old: exit $?, $(( $(date +%s) - start )) s"
-timeout "${RUN_T:-200}" python3 -m normkit bench $args --out "$OUT/new" > "$OUT/new.txt" 2>&1
-echo "new: exit $?, $(( $(date +%s) - start )) s"
+if [[ $STEPS == *" old "* ]]; then
+  NORMKIT_NATIVE=0 PYTHONPATH=$site timeout "${RUN_T:-200}" python3 -m normkit bench $args --out "$RES/old" \
+    > "$RES/old.txt" 2>&1  # (the old tree on its Python path: one installed before 4e6a466 has no native.cpp)
+  echo "old: exit $?, $(( $(date +%s) - start )) s"
+fi
+if [[ $STEPS == *" new "* ]]; then
+  timeout "${RUN_T:-200}" python3 -m normkit bench $args --out "$RES/new" > "$RES/new.txt" 2>&1
+  echo "new: exit $?, $(( $(date +%s) - start )) s"
+fi
 for run in new2 new3; do
+  [[ $STEPS == *" $run "* ]] || continue
   timeout "${RUN_T:-200}" python3 -m normkit bench ${args/--suite ${SUITES:-sweep,small,image}/--suite ${SPREAD_SUITES:-sweep}} \
-    --out "$OUT/$run" > "$OUT/$run.txt" 2>&1
+    --out "$RES/$run" > "$RES/$run.txt" 2>&1
   echo "$run: exit $?, $(( $(date +%s) - start )) s"
 done
-python3 -m normkit bench --compare "$OUT/old,$OUT/new" > "$OUT/ab.txt" 2>&1
-python3 -m normkit bench --compare "$OUT/new,$OUT/new2,$OUT/new3" > "$OUT/spread.txt" 2>&1
-rm -rf "$OUT"/*/plots  # the device tool brings back a limited number of files: results.json first
-grep -A3 "^fwd: last" "$OUT/ab.txt"; grep -E "^(below|spread over)" "$OUT/spread.txt"
+if [ -e "$RES/old/results.json" ] && [ -e "$RES/new/results.json" ]; then
+  python3 -m normkit bench --compare "$RES/old,$RES/new" > "$OUT/ab.txt" 2>&1
+fi
+runs=$(for r in new new2 new3; do [ -e "$RES/$r/results.json" ] && printf '%s,' "$RES/$r"; done)
+if [ "$(tr -cd , <<< "$runs" | wc -c)" -ge 2 ]; then
+  python3 -m normkit bench --compare "${runs%,}" > "$OUT/spread.txt" 2>&1
+fi
+for r in old new new2 new3; do  # what this call ran comes back with it (results.json first: the device
+  [[ $STEPS == *" $r "* ]] || continue  # tool brings back a limited number of files, so no plots)
+  mkdir -p "$OUT/$r"
+  [ "$RES" = "$OUT" ] || cp "$RES/$r.txt" "$RES/$r"/*.json "$RES/$r"/*.csv "$OUT/$r/" 2>/dev/null
+  rm -rf "$OUT/$r/plots"
+done
+grep -A3 "^fwd: last" "$OUT/ab.txt" 2>/dev/null; grep -E "^(below|spread over)" "$OUT/spread.txt" 2>/dev/null
 echo "gpu A/B: $(( $(date +%s) - start )) s"

@@ -310,9 +310,11 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):
 def softmax_key(op: str, input, dim, dtype):
     """The plan key of a softmax / log_softmax call: only a last-dim call without ``dtype`` has one
     (normkit.distributed looks its plan up with it before this module's layers)."""
-    along_last = type(dim) is int and type(input) is torch.Tensor and input.dim() > 0 and (
-        dim in (-1, input.dim() - 1))
-    return plans.key(op, input, (), True if along_last and dtype is None else None)
+    if dtype is not None or type(dim) is not int or type(input) is not torch.Tensor:
+        return None
+    if dim != -1 and dim != input.dim() - 1:
+        return None
+    return plans.input_key(op, input, True) if input.dim() else None
 
 
 def _softmax(op: str, input, dim, stacklevel, dtype, log: bool):

@@ -1,6 +1,7 @@
 """Public API: dispatch, argument errors (type + the argument named), empty tensors."""
 
 import sys
+import contextlib
 import types
 
 import pytest
@@ -106,6 +107,29 @@ def test_plan_keys_only_for_calls_a_plan_may_serve():
 
     assert key(x, w.as_subclass(Sub)) is None and key(x.as_subclass(Sub), w) is None
     assert key(x, w, 8, None) is None  # eps not a float: the checks must see it
+
+
+def test_input_key_is_the_key_of_a_call_without_parameters():
+    """plans.input_key (softmax's key, inlined) is plans.key with no parameter tensors, in every
+    state the key depends on: grad mode, requires_grad, alignment, overrides, layout, subclass."""
+    from normkit import dispatch, plans
+
+    class Sub(torch.Tensor):
+        pass
+
+    x = torch.randn(4, 8)
+    inputs = [x, x.clone().requires_grad_(), torch.randn(40)[1:33].view(4, 8), torch.randn(8, 4).t(),
+              x.as_subclass(Sub), torch.randn(3), torch.randn(2, 3, 5).double()]  # fmt: skip
+    states = [contextlib.nullcontext, torch.no_grad, lambda: dispatch.use_backend("cpu", "normkit.reference")]
+    seen = set()
+    for state in states:
+        with state():
+            for t in inputs:
+                for extra in ((True,), (None,), (8, 1e-5)):
+                    want = plans.key("softmax", t, (), *extra)
+                    assert plans.input_key("softmax", t, *extra) == want, (state, t.shape, extra)
+                    seen.add(want)
+    assert len(seen) > 10  # the states above give keys of their own
 
 
 def _planning_backend(calls: list):

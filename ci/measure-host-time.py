@@ -13,6 +13,9 @@ synchronized before each timed call and outside the timed region (so the host ne
 queue it filled), normkit's and torch's calls interleaved; ``runs`` tables in one process.
 ``device`` (default cuda): ``cpu`` runs the same protocol on CPU tensors.
 
+python3 ci/measure-host-time.py pieces: the pieces of a replayed forward (plan key, plan, allocation,
+the whole call, torch's), timed as ``calls`` times one call, at 16 and 32768 rows.
+
 python3 ci/measure-host-time.py profile-calls [dir]: a cProfile of 300 calls of each 16 x 4096 case
 of that table (normkit forward under no_grad, and forward + backward), top functions by own and by
 cumulative time, one file per case and direction under ``dir`` (default: .).
@@ -155,7 +158,47 @@ def profile_calls(out=".", n=300):
                 pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(60)
 
 
+def pieces(n=300):
+    """The pieces of a replayed forward (softmax's and layer_norm's), each timed as ``calls`` times a
+    call (the device synchronized before it), all interleaved, at 16 and 32768 rows: what the
+    front end costs against torch's call, and how much slower any code runs right after a sync
+    that waited for a long kernel (the key has no GPU work in it)."""
+    for m in (16, 32768):
+        with torch.no_grad():  # inference plans, as the forward columns of ``calls``
+            rows = _pieces_of(torch.randn(m, 4096, device="cuda", dtype=DT))
+            times = host_pair_us([fn for _, fn in rows], "cuda", n)
+        for (name, _), us in zip(rows, times):
+            print(f"{m:>6} rows  {name:<32} {us:8.2f} us", flush=True)
+
+
+def _pieces_of(x):
+    from normkit import functional as NF
+    from normkit import plans
+    from normkit.backends.cuda import launch
+
+    w, b = torch.randn(4096, device="cuda", dtype=DT), torch.randn(4096, device="cuda", dtype=DT)
+    for _ in range(5):  # recorded on the third call, replayed after
+        normkit.softmax(x, -1), normkit.layer_norm(x, (4096,), w, b)
+    splan = plans.stored(NF.softmax_key("softmax", x, -1, None))
+    lplan = plans.stored(plans.key("layer_norm", x, (w, b), (4096,), 1e-5))
+    return [
+        ("no-op", lambda: None),
+        ("torch.empty_like(x)", lambda: torch.empty_like(x)),
+        ("softmax key + lookup", lambda: plans.stored(NF.softmax_key("softmax", x, -1, None))),
+        ("layer_norm key + lookup", lambda: plans.stored(plans.key("layer_norm", x, (w, b), (4096,), 1e-5))),
+        ("launch.quiet()", launch.quiet),
+        ("softmax plan(x)", lambda: splan(x)),
+        ("normkit.softmax", lambda: normkit.softmax(x, -1)),
+        ("F.softmax", lambda: F.softmax(x, -1)),
+        ("layer_norm plan(x, None, w, b)", lambda: lplan(x, None, w, b)),
+        ("normkit.layer_norm", lambda: normkit.layer_norm(x, (4096,), w, b)),
+        ("F.layer_norm", lambda: F.layer_norm(x, (4096,), w, b)),
+    ]  # fmt: skip
+
+
 def main():
+    if sys.argv[1:2] == ["pieces"]:
+        return pieces()
     if sys.argv[1:2] == ["profile-calls"]:
         return profile_calls(*sys.argv[2:3])
     if sys.argv[1:2] == ["calls"]:

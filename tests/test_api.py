@@ -132,6 +132,22 @@ def test_input_key_is_the_key_of_a_call_without_parameters():
     assert len(seen) > 10  # the states above give keys of their own
 
 
+@pytest.mark.parametrize("op", ["softmax", "log_softmax"])
+def test_remembered_softmax_plan_serves_only_its_dim(op):
+    """A plan remembered for a last-dim softmax (functional.softmax_key) never serves a call along
+    another dim of the same input, nor a 1-dim or 0-dim input's call; each call against torch in
+    fp64. On CPU through the reference backend (an override: functional's plans, not torch's op)."""
+    g = torch.Generator().manual_seed(7)
+    x = (3 * torch.randn(6, 5, generator=g, dtype=torch.float64)).float()
+    fn, ref = getattr(normkit, op), getattr(torch, op)
+    with dispatch.use_backend("cpu", "normkit.reference"):
+        for t, dim in [(x, -1), (x, 1), (x, 0), (x, -2), (x, -1), (x[0].clone(), 0), (x[0].clone(), -1),
+                       (x[0, 0].clone(), 0), (x[0, 0].clone(), -1), (x, 0)]:  # fmt: skip
+            where = f"{op} of {tuple(t.shape)} along {dim}"
+            torch.testing.assert_close(fn(t, dim), ref(t.double(), dim).float(), rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, where=where: f"{where}: {m}")  # fmt: skip
+
+
 def _planning_backend(calls: list):
     """The reference backend plus training plans built from its own contract functions, recording
     each plan call in ``calls`` (the CUDA backend's plans need a GPU; this checks the front end's

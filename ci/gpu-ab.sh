@@ -27,7 +27,8 @@ if [ "${NATIVE:-1}" = 1 ]; then
 else
   export NORMKIT_NATIVE=0
 fi
-site=$RES/old-site
+site=$RES/old-site  # (kept between steps in RESULTS; never under OUT, whose files come back)
+[ "$RES" = "$OUT" ] && site=$(mktemp -d)
 [ -d "$site/normkit" ] || python3 -m pip install -q --no-deps --no-build-isolation --target "$site" "$OLD" 2>&1 \
   | grep -v WARNING | tail -2
 cd "$(mktemp -d)" || exit 1

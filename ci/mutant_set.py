@@ -60,11 +60,16 @@ MUTANTS = [
            "        _PLANS[key] = plan\n", "        _PLANS[key] = None if is_contract(plan) else plan\n",
            ("tests/test_api.py", "-k", "remembered_contract_plans"),
            what="contract plans are made again for every call: repeated calls run the checks again"),
-    # --- the native extension (backends/cuda/native.cpp; its CPU tests build it, ~1 min) ---------------
+    # --- the native extension (backends/cuda/native.cpp, normkit/native_cpu.cpp; CPU tests build it, ~1 min)
     Mutant("native-node-gradient-not-viewed", "backends/cuda/native.cpp", "",
            "if (g.sizes() != c10::IntArrayRef(want)) g = g.view(want);", "(void)want;",
            ("tests/test_native.py", *_k("python_backward_until")),
            what="the C++ node returns a program's (M, N) gradient without viewing it to the input's shape"),
+    Mutant("native-cpu-layer-norm-dx-drops-c2", "normkit/native_cpu.cpp", "",
+           "dx[k] = C::store(rstd * (C::load(dy[k]) * W[k] - xhat * c1 - c2));",
+           "dx[k] = C::store(rstd * (C::load(dy[k]) * W[k] - xhat * c1));",
+           ("tests/test_cpu.py", *_k("16bit_layer_norm_gradients", "native", "1151x1024", "none")),
+           what="the native CPU LayerNorm's dx without its mean term"),
     # --- the CPU path (torch's operators) -------------------------------------------------------------
     Mutant("cpu-serves-nothing", "normkit/cpu.py", "serves",
            "return type(input) is torch.Tensor and input.is_cpu and not dispatch._IN_OVERRIDE[0]",

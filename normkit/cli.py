@@ -346,13 +346,11 @@ def add_bench_parser(sub):
 
 
 def cmd_native(args) -> int:
-    """Compile the CUDA backend's native host path (backends/cuda/native.py) if it is not there."""
+    """Compile the native extension (normkit/native.py) if it is not there: the CUDA plans' host
+    path and CPU 16-bit LayerNorm training. Needs no Triton and no GPU."""
     import time
 
-    if not _has_triton():
-        print("native: needs upstream Triton (the CUDA backend)", file=sys.stderr)
-        return 2
-    from normkit.backends.cuda import native
+    from normkit import native
 
     start = time.perf_counter()
     found = native.module(build=True)
@@ -360,8 +358,8 @@ def cmd_native(args) -> int:
         print(f"native: not built: {native.why()}", file=sys.stderr)
         return 1
     took = time.perf_counter() - start
-    print(f"native: {native.build_dir()} ({took:.0f} s); CUDA plans use it from the next process on "
-          f"(NORMKIT_NATIVE=0 turns it off)")
+    print(f"native: {native.build_dir()} ({took:.0f} s); used from the next process on: CUDA plans' "
+          f"launches, CPU 16-bit LayerNorm training (NORMKIT_NATIVE=0 turns it off)")
     return 0
 
 
@@ -386,8 +384,9 @@ def main(argv=None) -> int:
                             f"(under a minute on 2 cores), else {_shapes(DEVICE_SHAPES[:3])}")
     check.set_defaults(fn=cmd_check)
     add_bench_parser(sub)
-    native = sub.add_parser("native", help="compile the CUDA host path in C++ (about a minute, once per "
-                                           "torch: a C++ compiler and ninja; docs/performance.md, host time)")
+    native = sub.add_parser("native", help="compile normkit's C++ extension: CUDA calls' host path, CPU "
+                                           "16-bit LayerNorm training (about a minute, once per torch: a C++ "
+                                           "compiler and ninja; docs/performance.md)")
     native.set_defaults(fn=cmd_native)
     args = parser.parse_args(argv)
     return args.fn(args)

@@ -77,17 +77,34 @@ def _rel(got, want):
     return ((got.double() - want).abs().max() / want.abs().max()).item()
 
 
+@pytest.fixture(scope="module")
+def native_layer_norm():
+    """The native extension's CPU LayerNorm (built here if it is not: CI has a C++ compiler)."""
+    from normkit import native
+
+    found = native.module(build=True)
+    assert found is not None, native.why()
+    return found.cpu_layer_norm
+
+
+@pytest.mark.parametrize("route", ["native", "torch"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("params", ["16-bit", "fp32", "none"])
 @pytest.mark.parametrize("m,n,mean", [(1151, 1024, 3.0), (32768, 8, 300.0), (16, 64, 300.0)],
                          ids=["1151x1024", "32768x8-mean300", "16x64-mean300"])  # fmt: skip
-def test_16bit_layer_norm_gradients(no_reference, dtype, params, m, n, mean):
-    """A 16-bit LayerNorm that gets gradients (from 2^18 elements normkit.cpu._HalfLayerNorm: fp32
+def test_16bit_layer_norm_gradients(no_reference, request, monkeypatch, route, dtype, params, m, n, mean):
+    """A 16-bit LayerNorm that gets gradients, on each of its routes: the native operator
+    (normkit/native_cpu.cpp: fp32 statistics, parameter gradients summed in fp32 over blocks of rows)
+    and, without the extension, torch's operators (from 2^18 elements normkit.cpu._HalfLayerNorm: fp32
     statistics, torch's fp32 backward in chunks of rows, 1151 rows in chunks of 256; smaller: fp32
     copies): against fp64 torch on the same values, within 2 ulps (torch's 16-bit CPU path: dx 49
     ulps off for rows of 8 around 300, from its 16-bit statistics), fp32 parameters' gradients to
     fp32 accuracy (torch sums them in 16-bit: bf16 12.6% off at 8192 rows); then a gradient
-    penalty's second-order gradients."""
+    penalty's second-order gradients (the native operator's create_graph backward is the fp32 route)."""
+    from normkit import cpu
+
+    fused = request.getfixturevalue("native_layer_norm") if route == "native" else None
+    monkeypatch.setattr(cpu, "_native_layer_norm", lambda: fused)
     g = torch.Generator().manual_seed(5)
     p = {"16-bit": dtype, "fp32": torch.float32, "none": None}[params]
     x = (torch.randn(m, n, generator=g) * 2 + mean).to(dtype).requires_grad_()
@@ -95,7 +112,9 @@ def test_16bit_layer_norm_gradients(no_reference, dtype, params, m, n, mean):
     b = None if p is None else torch.randn(n, generator=g).to(p).requires_grad_()
     dy = torch.randn(m, n, generator=g).to(dtype)
     ins = [t for t in (x, w, b) if t is not None]
-    got = torch.autograd.grad(normkit.layer_norm(x, (n,), w, b), ins, dy)
+    y = normkit.layer_norm(x, (n,), w, b)
+    assert ("CpuHalfLayerNorm" in y.grad_fn.name()) == (route == "native"), y.grad_fn.name()
+    got = torch.autograd.grad(y, ins, dy)
     ref = [t.detach().double().requires_grad_() for t in ins]
     want = torch.autograd.grad(F.layer_norm(ref[0], (n,), *(ref[1:] or (None, None))), ref, dy.double())
     eps = torch.finfo(dtype).eps

@@ -19,22 +19,15 @@ it does not pass: ``compat.native_launch``) refuses it, and that plan keeps its 
 Dropout plans are never remembered (their seed changes per call), so they are never recorded.
 
 When: the extension is compiled once per torch / Python / source (``normkit native``, 30-60 s;
-a C++ compiler and ninja, no CUDA toolkit: the driver is looked up at run time) into
-``$NORMKIT_NATIVE_DIR`` (default ``~/.cache/normkit/native``). By default a process uses it when
-it is built and never compiles it by itself; ``NORMKIT_NATIVE=build`` builds it on first use,
-``NORMKIT_NATIVE=0`` turns the path off. Launch hooks (profilers) and the tests' launch recording
+a C++ compiler and ninja, no CUDA toolkit: the driver is looked up at run time) by
+:mod:`normkit.native`, which says where and when. Launch hooks (profilers) and the tests' launch recording
 (``launch.RECORD``) send calls back to the Python path, which calls them.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
-import os
-import sys
 import threading
 import weakref
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -42,67 +35,14 @@ from torch.overrides import TorchFunctionMode
 
 from normkit import plans
 from normkit.backends.cuda import compat, launch
+from normkit.native import build_dir, module, name, why  # noqa: F401
 
-SOURCE = Path(__file__).with_name("native.cpp")
-_STATE: dict = {}  # "module": the loaded extension or None, "why": why there is none
-_LOCK = threading.Lock()
 # the op families with a native path: their plans' protocols are known here (plans.py)
 OPS = ("layer_norm", "rms_norm", "group_norm", "add_layer_norm", "add_rms_norm", "softmax", "log_softmax")
 
 
-# --- the extension ---------------------------------------------------------------------------------
-
-
-def build_dir() -> Path:
-    """Where the extension for this torch, Python and source is (to be) compiled."""
-    root = Path(os.environ.get("NORMKIT_NATIVE_DIR") or Path.home() / ".cache" / "normkit" / "native")
-    return root / name()
-
-
-def name() -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes())
-    digest.update(f"{torch.__version__} {sys.version_info[:2]} {sys.platform}".encode())
-    return f"normkit_native_{digest.hexdigest()[:16]}"
-
-
-def module(build: bool | None = None):
-    """The compiled extension, or None (:func:`why` says why). ``build``: compile it if it is not
-    there (default: only under ``NORMKIT_NATIVE=build``)."""
-    if "module" in _STATE and not (build and _STATE["module"] is None):
-        return _STATE["module"]
-    with _LOCK:
-        mode = os.environ.get("NORMKIT_NATIVE", "auto")
-        if mode == "0":
-            _STATE.update(module=None, why="NORMKIT_NATIVE=0")
-            return None
-        build = mode == "build" if build is None else build
-        try:  # (a missing native.cpp, as in a wheel before 4e6a466, is a reason too, not an error)
-            path = build_dir() / f"{name()}.so"
-            if path.exists():
-                spec = importlib.util.spec_from_file_location(name(), path)
-                found = importlib.util.module_from_spec(spec)
-                spec.loader.exec_module(found)
-            elif build:
-                from torch.utils import cpp_extension
-
-                build_dir().mkdir(parents=True, exist_ok=True)
-                found = cpp_extension.load(name(), [str(SOURCE)], extra_cflags=["-O2"],
-                                           build_directory=str(build_dir()), verbose=False)  # fmt: skip
-            else:
-                _STATE.update(module=None, why=f"not built ({path}): run `normkit native`")
-                return None
-        except Exception as e:  # no compiler, no ninja, a torch without headers: the Python path serves
-            _STATE.update(module=None, why=f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}")
-            return None
-        _STATE.update(module=found, why=None)
-        return found
-
-
-def why() -> str | None:
-    """Why :func:`module` is None (None when it is loaded or was not looked for yet)."""
-    return _STATE.get("why")
-
-
+# --- the extension: normkit/native.py builds and loads it (it also serves CPU 16-bit LayerNorm) -----
+# (module, why, build_dir, name: re-exported for the CLI, the tests and the measuring scripts)
 # --- recording a plan ------------------------------------------------------------------------------
 
 _FACTORIES = {torch.empty: False, torch.empty_like: False, torch.zeros: True, torch.zeros_like: True}
@@ -467,9 +407,9 @@ def state(plan) -> str:
     if not isinstance(native, _Native):
         return "not a native plan: Python"
     words = ["training forward " + _state(native.attempts, native.spec is not None)]
-    for name, attempts in zip(("backward", "backward with h's gradient"), native.back.attempts):
+    for which, attempts in zip(("backward", "backward with h's gradient"), native.back.attempts):
         if attempts.calls:
-            words.append(f"{name} " + _state(attempts, attempts.done and attempts.refused is None))
+            words.append(f"{which} " + _state(attempts, attempts.done and attempts.refused is None))
     return "; ".join(words)
 
 

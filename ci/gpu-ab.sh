@@ -23,7 +23,7 @@ start=$(date +%s)
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
 if [ "${NATIVE:-1}" = 1 ]; then
   export NORMKIT_NATIVE_DIR=${NORMKIT_NATIVE_DIR:-/tmp/normkit-native}
-  python3 -m normkit native 2>&1 | tail -1
+  python3 -m normkit native 2>&1 | tail -2
 else
   export NORMKIT_NATIVE=0
 fi

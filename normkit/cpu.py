@@ -148,7 +148,7 @@ def _native_layer_norm():
     """The native extension's 16-bit CPU LayerNorm with gradients, or None (not built, or off)."""
     from normkit import native
 
-    return getattr(native.module(), "cpu_layer_norm", None)
+    return getattr(native.module(kind="cpu"), "cpu_layer_norm", None)
 
 
 def _native_serves(input, shape, *params) -> bool:

@@ -1,5 +1,5 @@
-// CPU LayerNorm of 16-bit inputs with gradients, one C++ operator each way (normkit/cpu.py; built
-// with the native extension by `normkit native`, normkit/native.py).
+// CPU LayerNorm of 16-bit inputs with gradients, one C++ operator each way (normkit/cpu.py): the
+// native extension "cpu", built by `normkit native` (normkit/native.py).
 //
 // Why: torch's own 16-bit CPU LayerNorm saves 16-bit statistics and sums dweight / dbias in 16 bit
 // (dx 49 ulps off on rows of 8 around 300; bf16 dweight 12.6% off at 8192 x 1024), so normkit runs
@@ -269,7 +269,8 @@ struct CpuHalfLayerNorm : public torch::autograd::Function<CpuHalfLayerNorm> {
 };
 }  // namespace
 
-void register_cpu(pybind11::module& m) {
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "normkit's CPU LayerNorm of 16-bit inputs with gradients (normkit/cpu.py)";
   m.def("cpu_layer_norm", [](const at::Tensor& x, Opt w, Opt b, std::vector<int64_t> shape, double eps) {
     TORCH_CHECK(x.device().is_cpu() && x.is_contiguous() &&
                     (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf),

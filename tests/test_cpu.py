@@ -82,8 +82,8 @@ def native_layer_norm():
     """The native extension's CPU LayerNorm (built here if it is not: CI has a C++ compiler)."""
     from normkit import native
 
-    found = native.module(build=True)
-    assert found is not None, native.why()
+    found = native.module(build=True, kind="cpu")
+    assert found is not None, native.why("cpu")
     return found.cpu_layer_norm
 
 

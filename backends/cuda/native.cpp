@@ -297,11 +297,8 @@ struct Node : public torch::autograd::Function<Node> {
 
 }  // namespace
 
-void register_cpu(py::module& m);  // normkit/native_cpu.cpp: CPU LayerNorm of 16-bit inputs with gradients
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "normkit's native extension: the CUDA plans' host path (backends/cuda/native.py), CPU 16-bit LayerNorm";
-  register_cpu(m);
+  m.doc() = "normkit's native host path for CUDA plans (backends/cuda/native.py)";
   py::class_<Program, c10::intrusive_ptr<Program>>(m, "Program")
       .def("__call__", [](const Program& p, std::vector<std::optional<at::Tensor>> inputs) {
         std::vector<at::Tensor> in;

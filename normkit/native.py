@@ -58,19 +58,18 @@ def name(kind: str = "cuda") -> str:
 def module(build: bool | None = None, kind: str = "cuda"):
     """Compiled extension ``kind``, or None (:func:`why` says why). ``build``: compile it if it is
     not there (default: only under ``NORMKIT_NATIVE=build``)."""
-    state = _STATE.get(kind)
+    state = _STATE.get(kind)  # (set whole, under the lock: a reader sees the old state or the new)
     if state is not None and not (build and state["module"] is None):
         return state["module"]
     with _LOCK:
-        state = _STATE[kind] = {}
+        found, reason = None, None
         mode = os.environ.get("NORMKIT_NATIVE", "auto")
-        if mode == "0":
-            state.update(module=None, why="NORMKIT_NATIVE=0")
-            return None
         build = mode == "build" if build is None else build
         try:  # (a missing source, as native.cpp in a wheel before 4e6a466, is a reason too, not an error)
             path = build_dir(kind) / f"{name(kind)}.so"
-            if path.exists():
+            if mode == "0":
+                reason = "NORMKIT_NATIVE=0"
+            elif path.exists():
                 spec = importlib.util.spec_from_file_location(name(kind), path)
                 found = importlib.util.module_from_spec(spec)
                 spec.loader.exec_module(found)
@@ -83,12 +82,10 @@ def module(build: bool | None = None, kind: str = "cuda"):
                                            extra_ldflags=ldflags, build_directory=str(build_dir(kind)),
                                            verbose=False)  # fmt: skip
             else:
-                state.update(module=None, why=f"not built ({path}): run `normkit native`")
-                return None
+                reason = f"not built ({path}): run `normkit native`"
         except Exception as e:  # no compiler, no ninja, a torch without headers: the Python path serves
-            state.update(module=None, why=f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}")
-            return None
-        state.update(module=found, why=None)
+            found, reason = None, f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
+        _STATE[kind] = {"module": found, "why": reason}
         return found
 
 

@@ -10,9 +10,9 @@
 // order (the same bits for any thread count). With create_graph the backward is the fp32 composite
 // (x, weight, bias to fp32, torch's layer_norm), which autograd differentiates again.
 //
-// Rows are split over threads (at::parallel_for); each row function is compiled for AVX2 and for
-// the baseline, chosen at run time (GCC / Clang target_clones, x86-64), with 16 independent fp32
-// partial sums a pass so that the compiler vectorizes them without reassociating.
+// Rows are split over threads (at::parallel_for, OpenMP on Linux); each row function is compiled for
+// AVX2 and for the baseline, chosen at run time (GCC / Clang target_clones, x86-64 Linux), with 16
+// independent fp32 partial sums a pass so that the compiler vectorizes them without reassociating.
 
 #include <torch/extension.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -25,7 +25,7 @@
 #include <optional>
 #include <vector>
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))  // (ifunc: ELF only)
 #define NK_CLONES __attribute__((target_clones("avx2", "default")))
 #else
 #define NK_CLONES

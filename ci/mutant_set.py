@@ -66,8 +66,8 @@ MUTANTS = [
            ("tests/test_native.py", *_k("python_backward_until")),
            what="the C++ node returns a program's (M, N) gradient without viewing it to the input's shape"),
     Mutant("native-cpu-layer-norm-dx-drops-c2", "normkit/native_cpu.cpp", "",
-           "dx[k] = C::store(rstd * (C::load(dy[k]) * W[k] - xhat * c1 - c2));",
-           "dx[k] = C::store(rstd * (C::load(dy[k]) * W[k] - xhat * c1));",
+           "dx[k] = C::store(rstd * (d * W[k] - xhat * c1 - c2));",
+           "dx[k] = C::store(rstd * (d * W[k] - xhat * c1));",
            ("tests/test_cpu.py", *_k("16bit_layer_norm_gradients", "native", "1151x1024", "none")),
            what="the native CPU LayerNorm's dx without its mean term"),
     # --- the CPU path (torch's operators) -------------------------------------------------------------

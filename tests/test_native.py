@@ -84,6 +84,28 @@ def test_node_gives_no_gradient_to_an_absent_input(lib):
     assert torch.equal(dx, torch.full((4, 8), 3.0))
 
 
+def test_node_takes_five_inputs_and_gives_the_fifth_no_gradient(lib):
+    # BatchNorm's node: x, weight, bias, running_mean, running_var (the last two: no gradient)
+    x, w = torch.randn(4, 8, requires_grad=True), torch.randn(8, requires_grad=True)
+    rm, rv = torch.randn(8), torch.rand(8)
+    allocs = [(5, [4, 8], torch.float32, True), (6, [8], torch.float32, False), (7, [8], torch.float32, True)]
+    forward = lib.program(5, 8, allocs, [], [5, 6, 7])
+    calls = []
+
+    def slow(grads, saved):
+        calls.append(saved)
+        return [2 * grads[0], torch.ones(8), None, None, None]
+
+    spec = lib.spec(forward, [0], [0, 1, -2, -3], [torch.float32], slow)
+    (y,) = lib.apply(spec, [x, w, None, rm, rv])
+    dx, dw = torch.autograd.grad(y, [x, w], torch.full((4, 8), 3.0))
+    assert torch.equal(dx, torch.full((4, 8), 6.0)) and torch.equal(dw, torch.ones(8))
+    (saved,) = calls
+    assert torch.equal(saved[0], x.detach()) and torch.equal(saved[1], w.detach()) and saved[3].shape == (8,)
+    with pytest.raises(RuntimeError, match="at most 5 inputs"):
+        lib.apply(spec, [x, w, None, rm, rv, None])
+
+
 def test_node_refuses_a_backward_of_the_wrong_arity(lib):
     x = torch.randn(4, 8, requires_grad=True)
     spec = lib.spec(_forward_program(lib, 4, 8), [0], [0, 2, -3, -4], [torch.float32, torch.float32],
@@ -228,6 +250,86 @@ def test_inference_calls_replay_from_cpp(gpu, monkeypatch, op, M, N):
             _close(y, want_y, torch.bfloat16, f"call {call} y")
             if h is not None:
                 _close(h, want_h, torch.bfloat16, f"call {call} h")
+
+
+def _batch_norm_call(x, rm, rv, w, b, momentum, fp64_stats):
+    """normkit's training BatchNorm and fp64 torch's on the same inputs -> (y, want)."""
+    y = normkit.batch_norm(x, rm, rv, w, b, True, momentum, 1e-5)
+    want = F.batch_norm(x.double(), *fp64_stats, w.double(), b.double(), True, momentum, 1e-5)
+    return y, want
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("grad", [True, False], ids=["training", "no-grad"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_batch_norm_replays_from_cpp_with_its_momentum(gpu, monkeypatch, dtype, grad):
+    # split channels (HW = 900, not a multiple of 16: no channels in parts): recorded on the third
+    # call; from the sixth on from C++. A call with another momentum (a kernel argument the
+    # recording holds) runs the Python path, with its own momentum
+    C = 16
+    rm = torch.randn(C, device="cuda:0")
+    rv = torch.rand(C, device="cuda:0") + 0.5
+    stats = [rm.double(), rv.double()]
+    for call in range(8):
+        if call == 6:
+            (plan,) = plans._PLANS.values()
+            made = plan.native.spec if grad else plan.program
+            assert made is not None, plan.native.refused if grad else plan.refused
+            _served_natively(monkeypatch)
+        x = torch.randn(8, C, 30, 30, device="cuda:0", dtype=dtype).requires_grad_(grad)
+        w, b = (torch.randn(C, device="cuda:0", dtype=dtype).requires_grad_(grad) for _ in range(2))
+        with torch.set_grad_enabled(grad):
+            y, want = _batch_norm_call(x, rm, rv, w, b, 0.1, stats)
+        _close(y, want, dtype, f"call {call} y")
+        _close(rm, stats[0], torch.float32, f"call {call} running_mean")
+        _close(rv, stats[1], torch.float32, f"call {call} running_var")
+        if grad:
+            dy = torch.randn_like(y)
+            got = torch.autograd.grad(y, [x, w, b], dy)
+            xd, wd, bd = (t.detach().double().requires_grad_() for t in (x, w, b))
+            ref = F.batch_norm(xd, stats[0].clone(), stats[1].clone(), wd, bd, True, 0.1, 1e-5)
+            for name, g, e in zip("xwb", got, torch.autograd.grad(ref, [xd, wd, bd], dy.double())):
+                _close(g, e, dtype, f"call {call} d{name}")
+    x = torch.randn(8, C, 30, 30, device="cuda:0", dtype=dtype).requires_grad_(grad)
+    with torch.set_grad_enabled(grad), pytest.raises(AssertionError, match="through Python"):
+        normkit.batch_norm(x, rm, rv, w, b, True, 0.25, 1e-5)
+    monkeypatch.undo()  # the Python launcher back (and the fixture's patch: set it again)
+    monkeypatch.setattr(native.launch, "RECORD", None)
+    with torch.set_grad_enabled(grad):
+        y, want = _batch_norm_call(x, rm, rv, w, b, 0.25, stats)
+    _close(y, want, dtype, "momentum 0.25: y")
+    _close(rm, stats[0], torch.float32, "momentum 0.25: running_mean")
+    _close(rv, stats[1], torch.float32, "momentum 0.25: running_var")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name,shape", [("LayerNorm", (16, 4096)), ("BatchNorm2d", (8, 16, 30, 30))])
+def test_modules_with_parameters_replay_from_cpp(gpu, monkeypatch, name, shape):
+    # a module's weight and bias are Parameters (not plain tensors): recorded and replayed all the same
+    size = shape[1] if name == "BatchNorm2d" else shape[-1]
+    module = getattr(normkit.nn, name)(size, device="cuda:0")
+    with torch.no_grad():
+        module.weight.normal_()
+        module.bias.normal_()
+    reference = getattr(torch.nn, name)(size, device="cuda:0", dtype=torch.float64)
+    reference.load_state_dict(module.state_dict())
+    for call in range(8):
+        if call == 6:
+            (plan,) = plans._PLANS.values()
+            assert plan.native.spec is not None, plan.native.refused
+            _served_natively(monkeypatch)
+        x = torch.randn(shape, device="cuda:0", requires_grad=True)
+        xd = x.detach().double().requires_grad_()
+        y, want = module(x), reference(xd)
+        _close(y, want, torch.float32, f"call {call} y")
+        dy = torch.randn_like(y)
+        got = torch.autograd.grad(y, [x, module.weight, module.bias], dy)
+        expect = torch.autograd.grad(want, [xd, reference.weight, reference.bias], dy.double())
+        for what, g, e in zip(("dx", "dweight", "dbias"), got, expect):
+            _close(g, e, torch.float32, f"call {call} {what}")
+    if name == "BatchNorm2d":
+        _close(module.running_mean, reference.running_mean, torch.float32, "running_mean")
+        _close(module.running_var, reference.running_var, torch.float32, "running_var")
 
 
 @pytest.mark.cuda

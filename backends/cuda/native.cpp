@@ -228,14 +228,17 @@ at::Tensor dense(const at::Tensor& g, at::ScalarType dtype) {
 }
 
 using Opt = std::optional<at::Tensor>;
+// a node's inputs: x, residual, weight, bias (the row norms); x, weight, bias and the two running
+// statistics (BatchNorm, which updates the last two in place and gives them no gradient)
+constexpr size_t kMaxInputs = 5;
 
 struct Node : public torch::autograd::Function<Node> {
   // inputs as optionals (an absent one is no autograd input); the program takes the first n_inputs
   static variable_list forward(AutogradContext* ctx, c10::intrusive_ptr<Spec> spec, const Opt& a, const Opt& b,
-                               const Opt& c, const Opt& d) {
+                               const Opt& c, const Opt& d, const Opt& e) {
     ctx->set_materialize_grads(false);
     std::vector<at::Tensor> in;
-    for (const Opt* t : {&a, &b, &c, &d}) in.push_back(t->has_value() ? **t : at::Tensor());
+    for (const Opt* t : {&a, &b, &c, &d, &e}) in.push_back(t->has_value() ? **t : at::Tensor());
     in.resize(spec->forward->n_inputs);
     auto outs = spec->forward->run(in);
     variable_list saved;
@@ -280,7 +283,7 @@ struct Node : public torch::autograd::Function<Node> {
     }
     TORCH_CHECK(result.size() == n_in, "normkit native: the backward gave ", result.size(), " gradients for ", n_in,
                 " inputs");
-    variable_list out(5);  // the spec's, then one per input slot (undefined past n_in)
+    variable_list out(1 + kMaxInputs);  // the spec's, then one per input slot (undefined past n_in)
     for (size_t i = 0; i < n_in; ++i) {
       at::Tensor g = result[i];
       const c10::IValue& sizes = ctx->saved_data["sizes" + std::to_string(i)];
@@ -323,8 +326,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return s;
   });
   m.def("apply", [](c10::intrusive_ptr<Spec> spec, std::vector<Opt> inputs) {
-    TORCH_CHECK(inputs.size() <= 4, "normkit native: at most 4 inputs");
-    inputs.resize(4);
-    return Node::apply(spec, inputs[0], inputs[1], inputs[2], inputs[3]);
+    TORCH_CHECK(inputs.size() <= kMaxInputs, "normkit native: at most ", kMaxInputs, " inputs");
+    inputs.resize(kMaxInputs);
+    return Node::apply(spec, inputs[0], inputs[1], inputs[2], inputs[3], inputs[4]);
   });
 }

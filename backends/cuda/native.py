@@ -38,7 +38,8 @@ from normkit.backends.cuda import compat, launch
 from normkit.native import build_dir, module, name, why  # noqa: F401
 
 # the op families with a native path: their plans' protocols are known here (plans.py)
-OPS = ("layer_norm", "rms_norm", "group_norm", "add_layer_norm", "add_rms_norm", "softmax", "log_softmax")
+OPS = ("layer_norm", "rms_norm", "group_norm", "add_layer_norm", "add_rms_norm", "softmax", "log_softmax",
+       "batch_norm")
 
 
 # --- the extension: normkit/native.py builds and loads it (it also serves CPU 16-bit LayerNorm) -----
@@ -86,7 +87,7 @@ def record(fn, inputs: tuple):
     """Run ``fn(*inputs)`` (a plan's closure: tensors or None in, tensors or None out) recorded ->
     (its outputs, the extension's Program, or the reason it was refused as a string, or None where
     a kernel was still compiling: record a later call)."""
-    if not all(t is None or type(t) is torch.Tensor for t in inputs):
+    if not all(t is None or type(t) in plans._PLAIN for t in inputs):  # (modules' weights: Parameters)
         return fn(*inputs), "an input is not a tensor"
     trace = []
     launch.TRACE = (threading.get_ident(), trace)
@@ -181,7 +182,7 @@ def accelerate(plan, op: str, train: bool):
     if op not in OPS or module() is None:
         return plan
     if not train:
-        return Run(plan)
+        return BatchNormRun(plan) if op == "batch_norm" else Run(plan)
     return _TRAINING[type(plan)](plan)
 
 
@@ -233,12 +234,33 @@ class Run:
         return out
 
 
+class BatchNormRun(Run):
+    """BatchNorm's inference plan (``plan(x, weight, bias, running_mean, running_var, momentum)``)
+    on the native path. momentum is a kernel argument of the training-mode forward, so the recording
+    holds the momentum it was made with and replays only calls with that one (nn.BatchNorm's
+    constant momentum); a call with another (its cumulative average, momentum=None) runs the plan in
+    Python. Eval-mode plans compute rstd with a tensor op: refused, they keep the Python path."""
+
+    __slots__ = ("momentum",)
+
+    def __call__(self, x, w, b, rm, rv, momentum):
+        program = self.program
+        if program is not None and momentum == self.momentum and launch.quiet():
+            return program((x, w, b, rm, rv))[0]
+        if not self.attempts.due():
+            return self.plan(x, w, b, rm, rv, momentum)
+        out, made = self.attempts.record(lambda *tensors: self.plan(*tensors, momentum), (x, w, b, rm, rv))
+        if made is not None:
+            self.tuple, self.program, self.momentum = False, made, momentum
+        return out
+
+
 class _Native:
     """The native state of a training plan: its forward closure (recorded, :class:`_Attempts`) and
     the C++ autograd spec made from that recording; :class:`_Backward` holds the backward side."""
 
     def __init__(self, plan, family):
-        self.forward, self.family, self.spec = plan.forward, family, None
+        self.forward, self.family, self.spec, self.scalars = plan.forward, family, None, ()
         self.attempts = _Attempts()
         self.back = _Backward(plan, family)
 
@@ -251,8 +273,13 @@ class _Native:
             self.back.info = self.family.info(*args)
         if not self.attempts.due():
             return self.forward(*args)
-        out, made = self.attempts.record(self.forward, args)
+        # trailing arguments that are not tensors (BatchNorm's momentum) are baked into the recording;
+        # the caller replays only calls with the same ones (NativeBatchNormTraining)
+        n = len(args) - self.family.SCALARS
+        tensors, scalars = args[:n], args[n:]
+        out, made = self.attempts.record(lambda *t: self.forward(*t, *scalars), tensors)
         if made is not None:
+            self.scalars = scalars
             dtypes = self.family.grad_dtypes(args, out)
             self.spec = module().spec(made, self.family.RETURNED, self.family.SAVED, dtypes, self.back)
             self.back.node = weakref.ref(self.spec)
@@ -300,6 +327,7 @@ class _RowNorm:
     forward's outputs (y, h, mean, rstd), the backward's (dy, dh, x, weight, mean, rstd)."""
 
     RETURNED, SAVED = [0], [0, 2, -3, -4]  # y; x, weight, mean, rstd
+    SCALARS = 0  # trailing forward arguments that are not tensors
 
     @staticmethod
     def info(x, r, w, b):
@@ -364,6 +392,26 @@ class _Softmax(_RowNorm):
         return [None if grads[0] is None else plans._PlannedSoftmax.backward(ctx, grads[0])[1]]
 
 
+class _BatchNorm(_RowNorm):
+    """BatchNorm in training mode (``plans.BatchNormTraining``): inputs (x, weight, bias,
+    running_mean, running_var; the last two updated in place, no gradient) and momentum (baked into
+    the recording), forward (y, mean, rstd), backward (dy, x, weight, mean, rstd)."""
+
+    RETURNED, SAVED = [0], [0, 1, -2, -3]  # y; x, weight, mean, rstd
+    SCALARS = 1
+
+    @staticmethod
+    def info(x, w, b, rm, rv, momentum):
+        return SimpleNamespace(bias_dtype=None if b is None else b.dtype)
+
+    @staticmethod
+    def backward(plan, ctx, grads):
+        if grads[0] is None:
+            return [None] * 5
+        _, dx, dw, db, *_ = plans._PlannedBatchNorm.backward(ctx, grads[0])
+        return [dx, dw, db, None, None]
+
+
 class _NativeCall:
     """A training plan (``plans.Training`` or a subclass, after this mixin) on the native path:
     called as its plan is, through the C++ autograd node once its forward is recorded."""
@@ -399,6 +447,20 @@ class NativeSoftmaxTraining(_NativeCall, plans.SoftmaxTraining):
     FAMILY = _Softmax
 
 
+class NativeBatchNormTraining(_NativeCall, plans.BatchNormTraining):
+    """BatchNorm's training plan: replayed for calls with the momentum it was recorded with (see
+    :class:`BatchNormRun`), the Python path for others."""
+
+    __slots__ = ("native",)
+    FAMILY = _BatchNorm
+
+    def __call__(self, x, w, b, rm, rv, momentum):
+        native = self.native
+        if native.spec is None or (momentum,) != native.scalars or not launch.quiet():
+            return plans.BatchNormTraining.__call__(self, x, w, b, rm, rv, momentum)
+        return module().apply(native.spec, [x, w, b, rm, rv])[0]
+
+
 def state(plan) -> str:
     """What the native path does with ``plan`` so far, in words (ci/measure-host-time.py prints it)."""
     if isinstance(plan, Run):
@@ -422,4 +484,4 @@ def _state(attempts, made):
 
 
 _TRAINING = {plans.Training: NativeTraining, plans.AddNormTraining: NativeAddNormTraining,
-             plans.SoftmaxTraining: NativeSoftmaxTraining}  # fmt: skip
+             plans.SoftmaxTraining: NativeSoftmaxTraining, plans.BatchNormTraining: NativeBatchNormTraining}

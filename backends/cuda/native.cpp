@@ -311,11 +311,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("program", &make_program, "A program from native.py's recorded allocations, launches and outputs");
   py::class_<Spec, c10::intrusive_ptr<Spec>>(m, "Spec")
       .def("set_backward", [](Spec& s, int64_t variant, c10::intrusive_ptr<Program> p) {
+        // its inputs: the incoming gradients, then the saved tensors; its outputs: one per forward input
+        TORCH_CHECK(p->n_inputs == static_cast<int64_t>(s.grad_dtypes.size() + s.saved.size()),
+                    "normkit native: a backward program of ", p->n_inputs, " inputs for ", s.grad_dtypes.size(),
+                    " gradients and ", s.saved.size(), " saved tensors");
+        TORCH_CHECK(p->outputs.size() == static_cast<size_t>(s.forward->n_inputs), "normkit native: a backward ",
+                    "program of ", p->outputs.size(), " outputs for ", s.forward->n_inputs, " inputs");
         std::lock_guard<std::mutex> hold(s.lock);
         s.backward.at(variant) = p;
       });
   m.def("spec", [](c10::intrusive_ptr<Program> forward, std::vector<int64_t> returned, std::vector<int64_t> saved,
                    py::list grad_dtypes, py::object slow) {
+    TORCH_CHECK(forward->n_inputs <= static_cast<int64_t>(kMaxInputs), "normkit native: at most ", kMaxInputs,
+                " inputs");
+    auto n_out = static_cast<int64_t>(forward->outputs.size());
+    for (int64_t r : returned) TORCH_CHECK(0 <= r && r < n_out, "normkit native: returned output ", r, " of ", n_out);
+    for (int64_t v : saved) {
+      TORCH_CHECK(v >= 0 ? v < forward->n_inputs : -1 - v < n_out, "normkit native: saved tensor ", v, " of ",
+                  forward->n_inputs, " inputs and ", n_out, " outputs");
+    }
     auto s = c10::make_intrusive<Spec>();
     s->forward = forward;
     s->returned = std::move(returned);

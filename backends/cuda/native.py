@@ -308,10 +308,15 @@ class _Backward:
         node = None if self.node is None else self.node()
         if node is None or not due:
             return self.plain(*args)
-        out, made = self.attempts[variant].record(self.plain, args)
+        pad = self.family.PAD  # the node takes a gradient for every input: None for those without
+        plain = self.plain if not pad else (lambda *a: (*self.plain(*a), *(None,) * pad))
+        out, made = self.attempts[variant].record(plain, args)
         if made is not None:
-            node.set_backward(variant, made)
-        return out
+            try:
+                node.set_backward(variant, made)
+            except RuntimeError as e:  # a program that does not fit the node (native.cpp checks)
+                self.attempts[variant].refused = str(e).splitlines()[0]
+        return out[: len(out) - pad] if pad else out
 
     def __call__(self, grads, saved):
         return self.family.backward(self, _ctx(self, self.info, saved), grads)
@@ -328,6 +333,7 @@ class _RowNorm:
 
     RETURNED, SAVED = [0], [0, 2, -3, -4]  # y; x, weight, mean, rstd
     SCALARS = 0  # trailing forward arguments that are not tensors
+    PAD = 0  # inputs past the backward's outputs (no gradient)
 
     @staticmethod
     def info(x, r, w, b):
@@ -398,11 +404,15 @@ class _BatchNorm(_RowNorm):
     the recording), forward (y, mean, rstd), backward (dy, x, weight, mean, rstd)."""
 
     RETURNED, SAVED = [0], [0, 1, -2, -3]  # y; x, weight, mean, rstd
-    SCALARS = 1
+    SCALARS, PAD = 1, 2  # momentum; the running statistics
 
     @staticmethod
     def info(x, w, b, rm, rv, momentum):
         return SimpleNamespace(bias_dtype=None if b is None else b.dtype)
+
+    @staticmethod
+    def grad_dtypes(args, out):
+        return [out[0].dtype]
 
     @staticmethod
     def backward(plan, ctx, grads):

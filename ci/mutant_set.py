@@ -70,6 +70,11 @@ MUTANTS = [
            "dx[k] = C::store(rstd * (d * W[k] - xhat * c1));",
            ("tests/test_cpu.py", *_k("16bit_layer_norm_gradients", "native", "1151x1024", "none")),
            what="the native CPU LayerNorm's dx without its mean term"),
+    Mutant("native-cpu-group-norm-dx-drops-k2", "normkit/native_cpu.cpp", "",
+           "const float v = C::load(dyc[s]) * a - (C::load(xc[s]) - mean) * k1 - k2;",
+           "const float v = C::load(dyc[s]) * a - (C::load(xc[s]) - mean) * k1;",
+           ("tests/test_cpu.py", *_k("16bit_group_norm_routes", "native", "8x64x7x7", "none")),
+           what="the native CPU GroupNorm's dx without its mean term"),
     # --- the CPU path (torch's operators) -------------------------------------------------------------
     Mutant("cpu-serves-nothing", "normkit/cpu.py", "serves",
            "return type(input) is torch.Tensor and input.is_cpu and not dispatch._IN_OVERRIDE[0]",

@@ -13,8 +13,9 @@ what is left. A call is served only where torch's operator gives normkit's docum
   native``; normkit/native_cpu.cpp: fp32 statistics, fp32-summed parameter gradients, at torch's
   cost); without it on fp32 copies when small, else keeping fp32 statistics with torch's fp32
   backward a chunk of rows at a time (``_HalfLayerNorm``), and a
-  16-bit GroupNorm that gets any gradient takes fp32 parameters (torch's mixed-dtype kernels: fp32
-  statistics); with 16-bit parameters torch's CPU backward loses the accuracy normkit promises;
+  16-bit GroupNorm that gets any gradient likewise runs as the native operator where it is built
+  (contiguous inputs), else takes fp32 parameters (torch's mixed-dtype kernels: fp32 statistics);
+  with 16-bit parameters torch's CPU backward loses the accuracy normkit promises;
 - rms_norm: torch's; a 16-bit input with an fp32 weight explicitly in fp32, rounded once (torch
   2.13's CPU operator rounds once too: tests/test_cpu.py checks the result, not the route);
 - add_layer_norm / add_rms_norm without dropout: ``x + residual`` then the norm above (dropout
@@ -163,6 +164,21 @@ def _native_serves(input, shape, *params) -> bool:
                              and p.dtype in (input.dtype, torch.float32)) for p in params)  # fmt: skip
 
 
+_NATIVE_GROUP_NORM = []  # the native GroupNorm once found (a lookup costs ~1 us: a 16x4096 call ~30)
+
+
+def _native_group_norm():
+    """The native extension's 16-bit CPU GroupNorm with gradients, or None (not built, or off)."""
+    if _NATIVE_GROUP_NORM:
+        return _NATIVE_GROUP_NORM[0]
+    from normkit import native
+
+    found = getattr(native.module(kind="cpu"), "cpu_group_norm", None)
+    if found is not None:
+        _NATIVE_GROUP_NORM.append(found)
+    return found
+
+
 def _layer_norm(input, shape, weight, bias, eps):
     """torch's layer_norm; a 16-bit input that gets any gradient: the native operator where it is
     built (forward + backward, bf16, 2 cores, against torch's own 16-bit op: 1x8 48 / 44 µs, 16x4096
@@ -306,8 +322,18 @@ def group_norm(input, num_groups, weight, bias, eps):
     try:  # (torch's own function under F.group_norm, whose checks the ones above cover)
         if input.dtype in _HALF and _differentiated(input, weight, bias):
             # torch's 16-bit CPU backward: dx of groups of 2 values 200-650 ulps off, 2-8 ulps on
-            # inputs around 15x their spread; given fp32 parameters (ones for none), its mixed-dtype
-            # kernels keep fp32 statistics: dx within 0.5 ulp, dweight / dbias to fp32 accuracy
+            # inputs around 15x their spread. The native operator where built: fp32 statistics, y
+            # and dx rounded once, dweight / dbias summed in fp32, one operator each way (torch's
+            # mixed-dtype route below costs 1.2-1.6x torch's 16-bit op per call).
+            # A contiguous input only (channels-last: torch's kernels, which keep the layout), plain
+            # parameters (no subclass's __torch_function__ skipped); the operator checks their shape
+            # (a RuntimeError: the full path's error).
+            fused = _native_group_norm()
+            if (fused is not None and input.is_contiguous() and (weight is None or type(weight) in _PLAIN)
+                    and (bias is None or type(bias) in _PLAIN)):  # fmt: skip
+                return fused(input, weight, bias, num_groups, eps)
+            # Else: given fp32 parameters (ones for none), torch's mixed-dtype kernels keep fp32
+            # statistics: dx within 0.5 ulp, dweight / dbias to fp32 accuracy
             w32 = torch.ones(C, dtype=torch.float32) if weight is None else weight.float()
             return torch.group_norm(input, num_groups, w32, _f32(bias), eps, False)
         return torch.group_norm(input, num_groups, weight, bias, eps, False)

@@ -1,5 +1,5 @@
-// CPU LayerNorm of 16-bit inputs with gradients, one C++ operator each way (normkit/cpu.py): the
-// native extension "cpu", built by `normkit native` (normkit/native.py).
+// CPU LayerNorm and GroupNorm of 16-bit inputs with gradients, one C++ operator each way
+// (normkit/cpu.py): the native extension "cpu", built by `normkit native` (normkit/native.py).
 //
 // Why: torch's own 16-bit CPU LayerNorm saves 16-bit statistics and sums dweight / dbias in 16 bit
 // (dx 49 ulps off on rows of 8 around 300; bf16 dweight 12.6% off at 8192 x 1024), so normkit runs
@@ -10,6 +10,12 @@
 // order (the same bits for any thread count). With create_graph the backward is the fp32 composite
 // (x, weight, bias to fp32, torch's layer_norm), which autograd differentiates again.
 //
+// GroupNorm alike (torch's 16-bit CPU backward: dx of groups of 2 values 200-650 ulps off; its
+// mixed-dtype kernels with fp32 parameters, normkit's route without this extension, cost 1.2-1.6x
+// torch's 16-bit op): a "row" is one (sample, group), D channels of S values each, contiguous; its
+// statistics over D * S values in fp32 (chunks of 16 fp32 lanes, the chunks added in double);
+// dweight / dbias per channel summed in fp32 over fixed blocks of rows, added in block order.
+//
 // Rows are split over threads (at::parallel_for, OpenMP on Linux); each row function is compiled for
 // AVX2 and for the baseline, chosen at run time (GCC / Clang target_clones, x86-64 Linux), with 16
 // independent fp32 partial sums a pass so that the compiler vectorizes them without reassociating.
@@ -18,12 +24,13 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <ATen/Parallel.h>
 
-#include <c10/util/Half.h>
 #include <c10/util/accumulate.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))  // (ifunc: ELF only)
@@ -31,6 +38,11 @@
 #else
 #define NK_CLONES
 #endif
+
+// A loop over the 16 lanes: GCC 12 unrolls such a small loop before vectorizing it, and then often
+// fails to vectorize the unrolled body (the GroupNorm backward's per-channel sums, fp16 sums: scalar,
+// 2.3 ns a value); kept a loop, it is one vector operation a lane group (each lane's sum the same).
+#define NK_LANES _Pragma("GCC unroll 1")
 
 namespace {
 
@@ -56,9 +68,37 @@ struct BF16 {
   }
 };
 
+// c10's branch-free fp16 conversions (c10::detail::fp16_ieee_to_fp32_value / _from_fp32_value, without
+// F16C) with masks for their selects, which GCC leaves branches (floating-point operations are not
+// speculated under -ftrapping-math): vectorized, 5x faster; bit for bit c10's (every fp16 value and
+// every fp32 bit pattern checked).
 struct F16 {
-  static float load(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
-  static uint16_t store(float f) { return c10::detail::fp16_ieee_from_fp32_value(f); }
+  static float bits_to_float(uint32_t u) {
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+  static uint32_t float_to_bits(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    return u;
+  }
+  static float load(uint16_t h) {
+    const uint32_t w = static_cast<uint32_t>(h) << 16, sign = w & 0x80000000u, two_w = w + w;
+    const float normalized = bits_to_float((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+    const float denormalized = bits_to_float((two_w >> 17) | (126u << 23)) - 0.5f;
+    const uint32_t small = 0u - static_cast<uint32_t>(two_w < (1u << 27));  // all ones: denormal or zero
+    return bits_to_float(sign | (float_to_bits(denormalized) & small) | (float_to_bits(normalized) & ~small));
+  }
+  static uint16_t store(float f) {  // round to nearest even; a NaN becomes 0x7e00 (with its sign)
+    const uint32_t w = float_to_bits(f), shl1_w = w + w, sign = w & 0x80000000u;
+    const uint32_t bias = std::max(shl1_w & 0xFF000000u, 0x71000000u);
+    const float base = bits_to_float((bias >> 1) + 0x07800000u) + (std::fabs(f) * 0x1.0p+112f) * 0x1.0p-110f;
+    const uint32_t bits = float_to_bits(base);
+    const uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
+    const uint32_t nan = 0u - static_cast<uint32_t>(shl1_w > 0xFF000000u);
+    return static_cast<uint16_t>((sign >> 16) | (0x7E00u & nan) | (nonsign & ~nan));
+  }
 };
 
 // The rows of one block, for the backward's parameter sums and the threads' grain.
@@ -72,7 +112,7 @@ NK_CLONES void forward_rows(const uint16_t* X, const float* W, const float* B, u
     float acc[kLanes] = {0.f};
     int64_t i = 0;
     for (; i + kLanes <= N; i += kLanes)
-      for (int j = 0; j < kLanes; ++j) acc[j] += C::load(x[i + j]);
+      NK_LANES for (int j = 0; j < kLanes; ++j) acc[j] += C::load(x[i + j]);
     float sum = 0.f;
     for (int j = 0; j < kLanes; ++j) sum += acc[j];
     for (; i < N; ++i) sum += C::load(x[i]);
@@ -80,7 +120,7 @@ NK_CLONES void forward_rows(const uint16_t* X, const float* W, const float* B, u
     float sq[kLanes] = {0.f};
     i = 0;
     for (; i + kLanes <= N; i += kLanes)
-      for (int j = 0; j < kLanes; ++j) {
+      NK_LANES for (int j = 0; j < kLanes; ++j) {
         const float d = C::load(x[i + j]) - mean;
         sq[j] += d * d;
       }
@@ -98,6 +138,21 @@ NK_CLONES void forward_rows(const uint16_t* X, const float* W, const float* B, u
   }
 }
 
+// One pass over a row for dx and the parameters' terms (the tests are loop-invariant: the compiler
+// makes a loop for each case, but leaves fp16's bigger body scalar; kAll: the common case, all three,
+// a loop without tests). Inlined into backward_rows' clones.
+template <typename C, bool kAll>
+__attribute__((always_inline)) inline void backward_pass(const uint16_t* dy, const uint16_t* x, const float* W,
+                                                         float mean, float rstd, float c1, float c2, uint16_t* dx,
+                                                         float* DW, float* DB, int64_t N) {
+  for (int64_t k = 0; k < N; ++k) {
+    const float d = C::load(dy[k]), xhat = (C::load(x[k]) - mean) * rstd;
+    if (kAll || dx != nullptr) dx[k] = C::store(rstd * (d * W[k] - xhat * c1 - c2));
+    if (kAll || DW != nullptr) DW[k] += d * xhat;
+    if (kAll || DB != nullptr) DB[k] += d;
+  }
+}
+
 // dx of rows [lo, hi) and, where wanted, their dweight / dbias terms added into DW / DB (fp32, N).
 template <typename C>
 NK_CLONES void backward_rows(const uint16_t* DY, const uint16_t* X, const float* W, const float* Mean,
@@ -111,7 +166,7 @@ NK_CLONES void backward_rows(const uint16_t* DY, const uint16_t* X, const float*
       float a1[kLanes] = {0.f}, a2[kLanes] = {0.f};
       int64_t i = 0;
       for (; i + kLanes <= N; i += kLanes)
-        for (int j = 0; j < kLanes; ++j) {
+        NK_LANES for (int j = 0; j < kLanes; ++j) {
           const float g = C::load(dy[i + j]) * W[i + j];
           a1[j] += g * ((C::load(x[i + j]) - mean) * rstd);
           a2[j] += g;
@@ -128,14 +183,11 @@ NK_CLONES void backward_rows(const uint16_t* DY, const uint16_t* X, const float*
       c1 /= static_cast<float>(N);
       c2 /= static_cast<float>(N);
     }
-    // One pass for dx and the parameters' terms (the tests are loop-invariant: the compiler makes a
-    // loop for each case).
     uint16_t* dx = DX != nullptr ? DX + r * N : nullptr;
-    for (int64_t k = 0; k < N; ++k) {
-      const float d = C::load(dy[k]), xhat = (C::load(x[k]) - mean) * rstd;
-      if (dx != nullptr) dx[k] = C::store(rstd * (d * W[k] - xhat * c1 - c2));
-      if (DW != nullptr) DW[k] += d * xhat;
-      if (DB != nullptr) DB[k] += d;
+    if (dx != nullptr && DW != nullptr && DB != nullptr) {
+      backward_pass<C, true>(dy, x, W, mean, rstd, c1, c2, dx, DW, DB, N);
+    } else {
+      backward_pass<C, false>(dy, x, W, mean, rstd, c1, c2, dx, DW, DB, N);
     }
   }
 }
@@ -263,10 +315,322 @@ struct CpuHalfLayerNorm : public torch::autograd::Function<CpuHalfLayerNorm> {
     return {dx, dw, db, at::Tensor(), at::Tensor()};
   }
 };
+
+// ---- GroupNorm ------------------------------------------------------------------------------------
+
+// Values of a chunk summed in 16 fp32 lanes; the chunks' sums added in double (groups run to 10^5
+// and more values: the error of one long fp32 sum a lane would grow with them).
+constexpr int64_t kChunk = 1024;
+
+// y / dx values rounded to 16 bits: bf16's rounding without its NaN test (16% of the forward's time),
+// NaN ("v != v") flagged instead; a channel whose values hold one (rare) is stored again with
+// C::store. (fp16's conversion keeps its own.)
+template <typename C>
+inline uint16_t round_nonnan(float f) {
+  if constexpr (std::is_same_v<C, BF16>) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  } else {
+    return C::store(f);
+  }
+}
+
+// mean and rstd of rows [lo, hi) of L = D * S values, and y; W, B: C fp32 values (row r: group r % G).
+template <typename C>
+NK_CLONES void gn_forward_rows(const uint16_t* X, const float* W, const float* B, uint16_t* Y, float* Mean,
+                               float* Rstd, int64_t G, int64_t D, int64_t S, float eps, int64_t lo, int64_t hi) {
+  const int64_t L = D * S;
+  for (int64_t r = lo; r < hi; ++r) {
+    const uint16_t* x = X + r * L;
+    double total = 0.;
+    for (int64_t i0 = 0; i0 < L; i0 += kChunk) {
+      const uint16_t* xc = x + i0;
+      const int64_t n = std::min(kChunk, L - i0);
+      float acc[kLanes] = {0.f};
+      int64_t i = 0;
+      for (; i + kLanes <= n; i += kLanes)
+        NK_LANES for (int j = 0; j < kLanes; ++j) acc[j] += C::load(xc[i + j]);
+      float sum = 0.f;
+      for (int j = 0; j < kLanes; ++j) sum += acc[j];
+      for (; i < n; ++i) sum += C::load(xc[i]);
+      total += sum;
+    }
+    const float mean = static_cast<float>(total / static_cast<double>(L));
+    double sq_total = 0.;
+    for (int64_t i0 = 0; i0 < L; i0 += kChunk) {
+      const uint16_t* xc = x + i0;
+      const int64_t n = std::min(kChunk, L - i0);
+      float sq[kLanes] = {0.f};
+      int64_t i = 0;
+      for (; i + kLanes <= n; i += kLanes)
+        NK_LANES for (int j = 0; j < kLanes; ++j) {
+          const float d = C::load(xc[i + j]) - mean;
+          sq[j] += d * d;
+        }
+      float sum = 0.f;
+      for (int j = 0; j < kLanes; ++j) sum += sq[j];
+      for (; i < n; ++i) {
+        const float d = C::load(xc[i]) - mean;
+        sum += d * d;
+      }
+      sq_total += sum;
+    }
+    const float rstd = 1.f / std::sqrt(static_cast<float>(sq_total / static_cast<double>(L)) + eps);
+    Mean[r] = mean;
+    Rstd[r] = rstd;
+    const float *w = W + (r % G) * D, *b = B + (r % G) * D;
+    uint16_t* y = Y + r * L;
+    if (S == 1) {  // (N, C): the group's channels are its values
+      int nan = 0;
+      for (int64_t k = 0; k < D; ++k) {
+        const float v = (C::load(x[k]) - mean) * (rstd * w[k]) + b[k];
+        y[k] = round_nonnan<C>(v);
+        nan |= v != v;
+      }
+      if (nan)
+        for (int64_t k = 0; k < D; ++k) y[k] = C::store((C::load(x[k]) - mean) * (rstd * w[k]) + b[k]);
+      continue;
+    }
+    for (int64_t c = 0; c < D; ++c) {
+      const float a = rstd * w[c], bc = b[c];
+      const uint16_t* xc = x + c * S;
+      uint16_t* yc = y + c * S;
+      int nan = 0;
+      for (int64_t s = 0; s < S; ++s) {
+        const float v = (C::load(xc[s]) - mean) * a + bc;
+        yc[s] = round_nonnan<C>(v);
+        nan |= v != v;
+      }
+      if (nan)
+        for (int64_t s = 0; s < S; ++s) yc[s] = C::store((C::load(xc[s]) - mean) * a + bc);
+    }
+  }
+}
+
+// dx of rows [lo, hi) (row r: sample r / G, group r % G) and, where wanted, their channels' dweight /
+// dbias terms added into DW / DB (fp32, C channels). dx = rstd * (dy * w - xhat * c1 - c2), c1 / c2
+// the row's means of dy * w * xhat and of dy * w.
+template <typename C>
+NK_CLONES void gn_backward_rows(const uint16_t* DY, const uint16_t* X, const float* W, const float* Mean,
+                                const float* Rstd, uint16_t* DX, float* DW_all, float* DB_all, int64_t G,
+                                int64_t D, int64_t S, int64_t lo, int64_t hi) {
+  const int64_t L = D * S;
+  for (int64_t r = lo; r < hi; ++r) {
+    const int64_t c0 = (r % G) * D;
+    const float* w = W + c0;
+    float* DW = DW_all != nullptr ? DW_all + c0 : nullptr;
+    float* DB = DB_all != nullptr ? DB_all + c0 : nullptr;
+    const uint16_t* dy = DY + r * L;
+    const uint16_t* x = X + r * L;
+    uint16_t* dx = DX != nullptr ? DX + r * L : nullptr;
+    const float mean = Mean[r], rstd = Rstd[r];
+    if (S == 1) {  // (N, C): as a LayerNorm row of D values, weights w
+      float k1 = 0.f, c2 = 0.f;  // rstd * c1, c2
+      if (dx != nullptr) {
+        double t1 = 0., t2 = 0.;
+        for (int64_t i0 = 0; i0 < D; i0 += kChunk) {
+          const int64_t m = std::min(kChunk, D - i0);
+          float a1[kLanes] = {0.f}, a2[kLanes] = {0.f};
+          int64_t i = 0;
+          for (; i + kLanes <= m; i += kLanes)
+            NK_LANES for (int j = 0; j < kLanes; ++j) {
+              const int64_t k = i0 + i + j;
+              const float gk = C::load(dy[k]) * w[k];
+              a1[j] += gk * (C::load(x[k]) - mean);
+              a2[j] += gk;
+            }
+          float s1 = 0.f, s2 = 0.f;
+          for (int j = 0; j < kLanes; ++j) {
+            s1 += a1[j];
+            s2 += a2[j];
+          }
+          for (; i < m; ++i) {
+            const int64_t k = i0 + i;
+            const float gk = C::load(dy[k]) * w[k];
+            s1 += gk * (C::load(x[k]) - mean);
+            s2 += gk;
+          }
+          t1 += s1;
+          t2 += s2;
+        }
+        k1 = static_cast<float>(t1 * rstd / static_cast<double>(D)) * rstd;
+        c2 = static_cast<float>(t2 / static_cast<double>(D));
+      }
+      int nan = 0;  // one pass for dx and the parameters' terms (all three spelled out, as LayerNorm's)
+      if (dx != nullptr && DW != nullptr && DB != nullptr) {
+        for (int64_t k = 0; k < D; ++k) {
+          const float d = C::load(dy[k]), xc = C::load(x[k]) - mean;
+          const float v = rstd * (d * w[k] - xc * k1 - c2);
+          dx[k] = round_nonnan<C>(v);
+          nan |= v != v;
+          DW[k] += d * (xc * rstd);
+          DB[k] += d;
+        }
+      } else {
+        for (int64_t k = 0; k < D; ++k) {
+          const float d = C::load(dy[k]), xc = C::load(x[k]) - mean;
+          if (dx != nullptr) {
+            const float v = rstd * (d * w[k] - xc * k1 - c2);
+            dx[k] = round_nonnan<C>(v);
+            nan |= v != v;
+          }
+          if (DW != nullptr) DW[k] += d * (xc * rstd);
+          if (DB != nullptr) DB[k] += d;
+        }
+      }
+      if (nan)
+        for (int64_t k = 0; k < D; ++k)
+          dx[k] = C::store(rstd * (C::load(dy[k]) * w[k] - (C::load(x[k]) - mean) * k1 - c2));
+      continue;
+    }
+    // Each channel's sums of dy * (x - mean) and of dy: times rstd, its dweight term; its dbias
+    // term; with w, its part of c1 / c2.
+    double t1 = 0., t2 = 0.;
+    for (int64_t c = 0; c < D; ++c) {
+      const uint16_t* dyc = dy + c * S;
+      const uint16_t* xc = x + c * S;
+      double u1 = 0., u2 = 0.;
+      for (int64_t i0 = 0; i0 < S; i0 += kChunk) {
+        const int64_t m = std::min(kChunk, S - i0);
+        float a1[kLanes] = {0.f}, a2[kLanes] = {0.f};
+        int64_t i = 0;
+        for (; i + kLanes <= m; i += kLanes)
+          NK_LANES for (int j = 0; j < kLanes; ++j) {
+            const float d = C::load(dyc[i0 + i + j]);
+            a1[j] += d * (C::load(xc[i0 + i + j]) - mean);
+            a2[j] += d;
+          }
+        float s1 = 0.f, s2 = 0.f;
+        for (int j = 0; j < kLanes; ++j) {
+          s1 += a1[j];
+          s2 += a2[j];
+        }
+        for (; i < m; ++i) {
+          const float d = C::load(dyc[i0 + i]);
+          s1 += d * (C::load(xc[i0 + i]) - mean);
+          s2 += d;
+        }
+        u1 += s1;
+        u2 += s2;
+      }
+      u1 *= rstd;
+      if (DW != nullptr) DW[c] += static_cast<float>(u1);
+      if (DB != nullptr) DB[c] += static_cast<float>(u2);
+      t1 += static_cast<double>(w[c]) * u1;
+      t2 += static_cast<double>(w[c]) * u2;
+    }
+    if (dx == nullptr) continue;
+    // dx = dy * (rstd * w) - (x - mean) * (rstd * rstd * c1) - rstd * c2
+    const float k1 = static_cast<float>(t1 * rstd / static_cast<double>(L)) * rstd,
+                k2 = static_cast<float>(t2 * rstd / static_cast<double>(L));
+    for (int64_t c = 0; c < D; ++c) {
+      const float a = rstd * w[c];
+      const uint16_t* dyc = dy + c * S;
+      const uint16_t* xc = x + c * S;
+      uint16_t* dxc = dx + c * S;
+      int nan = 0;
+      for (int64_t s = 0; s < S; ++s) {
+        const float v = C::load(dyc[s]) * a - (C::load(xc[s]) - mean) * k1 - k2;
+        dxc[s] = round_nonnan<C>(v);
+        nan |= v != v;
+      }
+      if (nan)
+        for (int64_t s = 0; s < S; ++s) dxc[s] = C::store(C::load(dyc[s]) * a - (C::load(xc[s]) - mean) * k1 - k2);
+    }
+  }
+}
+
+// The rows (sample, group) of one block: the threads' grain, and the backward's parameter sums.
+int64_t groups_per_block(int64_t L) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(L, 1)); }
+
+struct CpuHalfGroupNorm : public torch::autograd::Function<CpuHalfGroupNorm> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const Opt& w, const Opt& b, int64_t groups,
+                            double eps) {
+    const at::Tensor wt = w.has_value() ? *w : at::Tensor(), bt = b.has_value() ? *b : at::Tensor();
+    const int64_t N = x.size(0), C = x.size(1), S = x.numel() / (N * C), D = C / groups, L = D * S;
+    auto y = at::empty_like(x, at::MemoryFormat::Contiguous);
+    auto stats = at::empty({2, N * groups}, x.options().dtype(at::kFloat));  // mean, rstd (one allocation)
+    const auto wf = as_fp32(wt, C, 1.f), bf = as_fp32(bt, C, 0.f);
+    const uint16_t* X = bits(x);
+    uint16_t* Y = bits_out(y);
+    float *Mean = stats.data_ptr<float>(), *Rstd = Mean + N * groups;
+    const bool bf16 = x.scalar_type() == at::kBFloat16;
+    const float e = static_cast<float>(eps);
+    at::parallel_for(0, N * groups, groups_per_block(L), [&](int64_t lo, int64_t hi) {
+      if (bf16) {
+        gn_forward_rows<BF16>(X, wf.data(), bf.data(), Y, Mean, Rstd, groups, D, S, e, lo, hi);
+      } else {
+        gn_forward_rows<F16>(X, wf.data(), bf.data(), Y, Mean, Rstd, groups, D, S, e, lo, hi);
+      }
+    });
+    ctx->save_for_backward({x, wt, bt, stats});
+    ctx->saved_data["groups"] = groups;
+    ctx->saved_data["eps"] = eps;
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &w = saved[1], &b = saved[2], &stats = saved[3];
+    const int64_t groups = ctx->saved_data["groups"].toInt();
+    const double eps = ctx->saved_data["eps"].toDouble();
+    const bool want_x = ctx->needs_input_grad(0), want_w = w.defined() && ctx->needs_input_grad(1),
+               want_b = b.defined() && ctx->needs_input_grad(2);
+    at::Tensor dy = grads[0], dx, dw, db;
+    if (!dy.defined()) return {dx, dw, db, at::Tensor(), at::Tensor()};
+    if (at::GradMode::is_enabled()) {  // create_graph: the fp32 composite, differentiable again
+      // x less its groups' (saved, constant) means: the same function of x, whose fp32 derivatives stay
+      // exact for large means (torch's fp32 backward works on x itself: second-order gradients of
+      // groups around 300 off by 30x their size)
+      const int64_t N = x.size(0);
+      auto xc = (x.to(at::kFloat).view({N, groups, -1}) - stats.select(0, 0).view({N, groups, 1})).view(x.sizes());
+      auto y = at::group_norm(xc, groups, w.defined() ? w.to(at::kFloat) : at::Tensor(),
+                              b.defined() ? b.to(at::kFloat) : at::Tensor(), eps);
+      variable_list inputs;
+      for (auto [t, want] : {std::pair{&x, want_x}, std::pair{&w, want_w}, std::pair{&b, want_b}})
+        if (want) inputs.push_back(*t);
+      if (inputs.empty()) return {dx, dw, db, at::Tensor(), at::Tensor()};
+      auto g = torch::autograd::grad({y}, inputs, {dy.to(at::kFloat)}, true, true, true);
+      size_t i = 0;
+      if (want_x) dx = g[i++];
+      if (want_w) dw = g[i++];
+      if (want_b) db = g[i++];
+      return {dx, dw, db, at::Tensor(), at::Tensor()};
+    }
+    const int64_t N = x.size(0), C = x.size(1), S = x.numel() / (N * C), D = C / groups, L = D * S;
+    if (dy.scalar_type() != x.scalar_type() || !dy.is_contiguous()) dy = dy.to(x.scalar_type()).contiguous();
+    if (want_x) dx = at::empty_like(x, at::MemoryFormat::Contiguous);
+    // Blocks of rows in memory order; block k adds its terms into row k of the (blocks, C) partial
+    // sums, which are added up block after block.
+    const int64_t M = N * groups, per = groups_per_block(L), blocks = (M + per - 1) / per;
+    std::vector<float> dwp(want_w ? blocks * C : 0, 0.f), dbp(want_b ? blocks * C : 0, 0.f);
+    const auto wf = as_fp32(w, C, 1.f);
+    const uint16_t *DY = bits(dy), *X = bits(x);
+    uint16_t* DX = want_x ? bits_out(dx) : nullptr;
+    const float *Mean = stats.data_ptr<float>(), *Rstd = Mean + M;
+    const bool bf16 = x.scalar_type() == at::kBFloat16;
+    at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
+      for (int64_t k = first; k < last; ++k) {
+        float* DW = want_w ? dwp.data() + k * C : nullptr;
+        float* DB = want_b ? dbp.data() + k * C : nullptr;
+        const int64_t lo = k * per, hi = std::min(M, lo + per);
+        if (bf16) {
+          gn_backward_rows<BF16>(DY, X, wf.data(), Mean, Rstd, DX, DW, DB, groups, D, S, lo, hi);
+        } else {
+          gn_backward_rows<F16>(DY, X, wf.data(), Mean, Rstd, DX, DW, DB, groups, D, S, lo, hi);
+        }
+      }
+    });
+    if (want_w) dw = in_block_order(dwp, blocks, C, w);
+    if (want_b) db = in_block_order(dbp, blocks, C, b);
+    return {dx, dw, db, at::Tensor(), at::Tensor()};
+  }
+};
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "normkit's CPU LayerNorm of 16-bit inputs with gradients (normkit/cpu.py)";
+  m.doc() = "normkit's CPU LayerNorm and GroupNorm of 16-bit inputs with gradients (normkit/cpu.py)";
   m.def("cpu_layer_norm", [](const at::Tensor& x, Opt w, Opt b, std::vector<int64_t> shape, double eps) {
     TORCH_CHECK(x.device().is_cpu() && x.is_contiguous() &&
                     (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf),
@@ -282,5 +646,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                   "normkit native: cpu_layer_norm: a parameter of normalized_shape, x's dtype or float32");
     TORCH_CHECK(N > 0, "normkit native: cpu_layer_norm: empty rows");
     return CpuHalfLayerNorm::apply(x, w, b, shape, eps);
+  });
+  m.def("cpu_group_norm", [](const at::Tensor& x, Opt w, Opt b, int64_t groups, double eps) {
+    TORCH_CHECK(x.device().is_cpu() && x.is_contiguous() && x.dim() >= 2 &&
+                    (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf),
+                "normkit native: cpu_group_norm takes a contiguous 16-bit CPU tensor (N, C, *), got ", x.toString(),
+                " of shape ", x.sizes());
+    const int64_t C = x.size(1);
+    TORCH_CHECK(x.numel() > 0 && groups > 0 && C % groups == 0,
+                "normkit native: cpu_group_norm: ", groups, " groups of ", C, " channels, or an empty input");
+    for (const Opt* p : {&w, &b})
+      TORCH_CHECK(!p->has_value() || ((*p)->device().is_cpu() && (*p)->dim() == 1 && (*p)->size(0) == C &&
+                                      ((*p)->scalar_type() == x.scalar_type() || (*p)->scalar_type() == at::kFloat)),
+                  "normkit native: cpu_group_norm: a parameter of (C,), x's dtype or float32");
+    return CpuHalfGroupNorm::apply(x, w, b, groups, eps);
   });
 }

@@ -77,14 +77,27 @@ def _rel(got, want):
     return ((got.double() - want).abs().max() / want.abs().max()).item()
 
 
-@pytest.fixture(scope="module")
-def native_layer_norm():
-    """The native extension's CPU LayerNorm (built here if it is not: CI has a C++ compiler)."""
+def _native_cpu():
+    """The native CPU extension, built here if it is not (CI has a C++ compiler); the test is skipped
+    where it cannot be (no compiler, NORMKIT_NATIVE=0), with the reason."""
     from normkit import native
 
     found = native.module(build=True, kind="cpu")
-    assert found is not None, native.why("cpu")
-    return found.cpu_layer_norm
+    if found is None:
+        pytest.skip(f"native CPU extension: {native.why('cpu')}")
+    return found
+
+
+@pytest.fixture(scope="module")
+def native_layer_norm():
+    """The native extension's CPU LayerNorm."""
+    return _native_cpu().cpu_layer_norm
+
+
+@pytest.fixture(scope="module")
+def native_group_norm():
+    """The native extension's CPU GroupNorm."""
+    return _native_cpu().cpu_group_norm
 
 
 @pytest.mark.parametrize("route", ["native", "torch"])
@@ -224,6 +237,120 @@ def test_16bit_group_norm_gradients(no_reference, dtype, params, layout, groups)
     assert _rel(got[0], want[0]) < ulps * eps, "dx"
     for name, a, e in zip(("dweight", "dbias"), got[1:], want[1:]):
         assert _rel(a, e) < (ulps * eps if p is dtype else fp32_tol), name
+
+
+# (N, C, *) shapes, groups, the inputs' mean: groups of 98 values in 2 channels; 4 values (2 x 2) around
+# 300; a 2-D input (channels are the values: groups of 16) around 300; groups of 25600 values (chunks
+# of 1024); 2400 groups of 32 values (3 blocks of rows: the parameter sums added block after block).
+GN_CASES = [((8, 64, 7, 7), 32, 3.0), ((64, 16, 2), 8, 300.0), ((32, 96), 6, 300.0),
+            ((4, 32, 40, 40), 2, 3.0), ((600, 8, 16), 4, 300.0)]  # fmt: skip
+GN_IDS = ["8x64x7x7-g32", "64x16x2-g8-mean300", "32x96-g6-mean300", "4x32x40x40-g2", "600x8x16-g4-mean300"]
+
+
+def _gn_inputs(shape, p, dtype, mean, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    C = shape[1]
+    x = (torch.randn(shape, generator=g) * 2 + mean).to(dtype).requires_grad_()
+    w = None if p is None else (torch.rand(C, generator=g) + 0.5).to(p).requires_grad_()
+    b = None if p is None else torch.randn(C, generator=g).to(p).requires_grad_()
+    dy = torch.randn(shape, generator=g).to(dtype)
+    return x, w, b, dy
+
+
+@pytest.mark.parametrize("route", ["native", "torch"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("params", ["16-bit", "fp32", "none"])
+@pytest.mark.parametrize("shape,groups,mean", GN_CASES, ids=GN_IDS)
+def test_16bit_group_norm_routes(no_reference, request, monkeypatch, route, dtype, params, shape, groups,
+                                 mean):  # fmt: skip
+    """A 16-bit GroupNorm that gets gradients, on each of its routes: the native operator
+    (normkit/native_cpu.cpp: fp32 statistics, parameter gradients summed in fp32 over blocks of rows)
+    and, without the extension, torch's mixed-dtype operator with fp32 parameters: y and dx within 2
+    ulps of fp64 torch on the same values, fp32 parameters' gradients to 5e-5, 16-bit ones within 2
+    ulps; then a gradient penalty's second-order gradients within 8 ulps (the native operator's
+    create_graph backward: the fp32 composite on x less its groups' means, also around 300; torch's
+    route: around 3 only)."""
+    from normkit import cpu
+
+    fused = request.getfixturevalue("native_group_norm") if route == "native" else None
+    monkeypatch.setattr(cpu, "_native_group_norm", lambda: fused)
+    p = {"16-bit": dtype, "fp32": torch.float32, "none": None}[params]
+    x, w, b, dy = _gn_inputs(shape, p, dtype, mean)
+    ins = [t for t in (x, w, b) if t is not None]
+    y = normkit.group_norm(x, groups, w, b)
+    assert ("CpuHalfGroupNorm" in y.grad_fn.name()) == (route == "native"), y.grad_fn.name()
+    got = torch.autograd.grad(y, ins, dy)
+    ref = [t.detach().double().requires_grad_() for t in ins]
+    want_y = F.group_norm(ref[0], groups, *(ref[1:] or (None, None)))
+    want = torch.autograd.grad(want_y, ref, dy.double())
+    eps = torch.finfo(dtype).eps
+    assert y.dtype == dtype and y.shape == x.shape and y.is_contiguous()
+    assert [t.dtype for t in got] == [t.dtype for t in ins]
+    assert _rel(y, want_y) < 2 * eps, "y"
+    assert _rel(got[0], want[0]) < 2 * eps, "dx"
+    for name, a, e in zip(("dweight", "dbias"), got[1:], want[1:]):
+        assert _rel(a, e) < (2 * eps if p is dtype else 5e-5), name
+    if p is None or x.numel() > 10**5 or route == "torch" and mean > 100:
+        return  # (torch's fp32 double backward works on x itself: groups around 300 lose it)
+
+    def penalty_grads(fn, ins):  # d/d(x, w, b) of a penalty on the first-order gradients
+        g1 = torch.autograd.grad((fn(ins[0], groups, ins[1], ins[2]) * dy.to(ins[0].dtype)).sum(), ins,
+                                 create_graph=True)  # fmt: skip
+        return torch.autograd.grad(sum((t.float() ** 2).sum() for t in g1), ins, allow_unused=True)
+
+    got2 = penalty_grads(normkit.group_norm, [t.detach().clone().requires_grad_() for t in (x, w, b)])
+    want2 = penalty_grads(F.group_norm, [t.detach().double().requires_grad_() for t in (x, w, b)])
+    assert got2[2] is None and want2[2] is None  # the bias's gradient, sum(dy), depends on no input
+    for i, (a, e) in enumerate(zip(got2[:2], want2[:2])):
+        assert a.dtype == (x, w)[i].dtype
+        assert _rel(a, e) < 8 * eps, f"second order, input {i}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_native_group_norm_edges(no_reference, native_group_norm, monkeypatch, dtype):
+    """The native GroupNorm: parameter gradients the same bits on 1 thread as on 2 (fixed blocks,
+    added in order); only what it gets: x's gradient alone, dweight without dbias (a weight without
+    gradient); a NaN in x makes its group's y and dx NaN (not inf: the rounding's NaN fallback) and
+    leaves the others' exact; a channels-last input keeps torch's kernels (and its layout); a weight
+    of the wrong shape is refused by the operator, and the call left to the full path."""
+    from normkit import cpu
+
+    monkeypatch.setattr(cpu, "_native_group_norm", lambda: native_group_norm)
+    x, w, b, dy = _gn_inputs((600, 8, 16), torch.float32, dtype, 300.0)
+    threads = torch.get_num_threads()
+    try:
+        sums = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            sums.append(torch.autograd.grad(normkit.group_norm(x, 4, w, b), (x, w, b), dy))
+    finally:
+        torch.set_num_threads(threads)
+    for a, e in zip(*sums):
+        assert torch.equal(a, e)
+    ref = [t.detach().double().requires_grad_() for t in (x, w, b)]
+    want = torch.autograd.grad(F.group_norm(ref[0], 4, ref[1], ref[2]), ref, dy.double())
+    (dx,) = torch.autograd.grad(normkit.group_norm(x, 4, w.detach(), b.detach()), (x,), dy)
+    assert torch.equal(dx, sums[0][0])
+    y = normkit.group_norm(x.detach(), 4, w, b.detach())
+    (dw,) = torch.autograd.grad(y, (w,), dy)
+    assert _rel(dw, want[1]) < 5e-5
+    xn = x.detach().clone()
+    xn[3, 2, 5] = float("nan")  # sample 3, group 1
+    xn.requires_grad_()
+    y = normkit.group_norm(xn, 4, w, b)
+    (dx,) = torch.autograd.grad(y, (xn,), dy)
+    for t, clean in ((y, normkit.group_norm(x, 4, w, b)), (dx, sums[0][0])):
+        assert t[3, 2:4].isnan().all() and not t.isinf().any()
+        t[3, 2:4] = 0
+        clean = clean.detach().clone()
+        clean[3, 2:4] = 0
+        assert torch.equal(t.detach(), clean)
+    xcl = x.detach()[:8].reshape(8, 8, 4, 4).to(memory_format=torch.channels_last).requires_grad_()
+    y = normkit.group_norm(xcl, 4, w, b)
+    assert "CpuHalfGroupNorm" not in y.grad_fn.name() and y.is_contiguous(memory_format=torch.channels_last)
+    with pytest.raises(RuntimeError, match="a parameter of"):
+        native_group_norm(x, torch.ones(4, 2), None, 4, 1e-5)
+    assert cpu.group_norm(x, 4, torch.ones(4, 2, requires_grad=True), None, 1e-5) is None  # the full path
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

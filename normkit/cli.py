@@ -347,12 +347,12 @@ def add_bench_parser(sub):
 
 def cmd_native(args) -> int:
     """Compile the native extensions (normkit/native.py) that are not there: the CUDA plans' host
-    path and CPU 16-bit LayerNorm training. Needs no Triton and no GPU."""
+    path and CPU 16-bit LayerNorm / GroupNorm training. Needs no Triton and no GPU."""
     import time
 
     from normkit import native
 
-    uses = {"cuda": "the CUDA plans' launches", "cpu": "CPU 16-bit LayerNorm training"}
+    uses = {"cuda": "the CUDA plans' launches", "cpu": "CPU 16-bit LayerNorm / GroupNorm training"}
     failed = False
     for kind in native.KINDS:
         start = time.perf_counter()
@@ -386,9 +386,9 @@ def main(argv=None) -> int:
                             f"(under a minute on 2 cores), else {_shapes(DEVICE_SHAPES[:3])}")
     check.set_defaults(fn=cmd_check)
     add_bench_parser(sub)
-    native = sub.add_parser("native", help="compile normkit's C++ extension: CUDA calls' host path, CPU "
-                                           "16-bit LayerNorm training (about a minute, once per torch: a C++ "
-                                           "compiler and ninja; docs/performance.md)")
+    native = sub.add_parser("native", help="compile normkit's C++ extensions: CUDA calls' host path, CPU "
+                                           "16-bit LayerNorm / GroupNorm training (about a minute, once per "
+                                           "torch: a C++ compiler and ninja; docs/performance.md)")
     native.set_defaults(fn=cmd_native)
     args = parser.parse_args(argv)
     return args.fn(args)

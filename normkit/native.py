@@ -2,9 +2,9 @@
 
 Two extensions: the CUDA plans' host path (``kind="cuda"``: backends/cuda/native.cpp, used by
 backends/cuda/native.py: a plan's launches replayed from C++, its training step a C++ autograd node)
-and CPU LayerNorm of 16-bit inputs with gradients as one C++ operator each way (``kind="cpu"``:
-normkit/native_cpu.cpp, used by normkit/cpu.py). Both are optional: without them the same calls run
-in Python and on torch's operators, with the same results.
+and CPU LayerNorm and GroupNorm of 16-bit inputs with gradients as one C++ operator each way
+(``kind="cpu"``: normkit/native_cpu.cpp, used by normkit/cpu.py). Both are optional: without them
+the same calls run in Python and on torch's operators, with the same results.
 
 Each is compiled once per torch / Python / source (30-60 s; a C++ compiler and ninja, no CUDA toolkit:
 the driver is looked up at run time) into ``$NORMKIT_NATIVE_DIR`` (default
@@ -27,8 +27,8 @@ import torch
 _STATE: dict = {}  # kind -> {"module": the loaded extension or None, "why": why there is none}
 _LOCK = threading.Lock()
 # The two extensions, built and loaded apart (one failing to build leaves the other):
-# "cuda" the CUDA plans' host path, "cpu" the CPU LayerNorm. OpenMP for the CPU one: torch's
-# at::parallel_for is OpenMP on Linux, and serial in code built without it.
+# "cuda" the CUDA plans' host path, "cpu" the CPU LayerNorm / GroupNorm. OpenMP for the CPU one:
+# torch's at::parallel_for is OpenMP on Linux, and serial in code built without it.
 _OPENMP = ["-fopenmp"] if sys.platform == "linux" else []
 _FLAGS = {"cuda": (["-O2"], []), "cpu": (["-O3", *_OPENMP], _OPENMP)}
 KINDS = tuple(_FLAGS)

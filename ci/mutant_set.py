@@ -275,6 +275,13 @@ MUTANTS = [
            _gpu("tests/test_gpu_hardening.py", "test_direct_launch_never_reuses_another_specialization",
                 "float32"), device="cuda",
            what="call-site launch keys hold a tensor's dtype, not its 16-byte alignment"),
+    # a BatchNorm training plan recorded with momentum 0.1 replays a call with 0.25 (the running
+    # statistics updated with the recorded momentum)
+    Mutant("cuda-native-batch-norm-any-momentum", "backends/cuda/native.py", "",
+           "if native.spec is None or (momentum,) != native.scalars or not launch.quiet():",
+           "if native.spec is None or not launch.quiet():",
+           _gpu("tests/test_native.py", "batch_norm_replays", "training", "bf16"), device="cuda",
+           what="BatchNorm's native training plan replayed whatever the call's momentum"),
     # (1, 40999) then (3, 40999): the second call's training plan is the first's (grid, M of 1 row).
     Mutant("cuda-plan-key-row-length-only", "normkit/plans.py", "key",
            "return (op, input.shape, input.dtype", "return (op, input.shape[-1:], input.dtype",

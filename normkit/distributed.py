@@ -310,11 +310,23 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):
 
 def softmax(input, dim=None, _stacklevel=3, dtype=None):
     """:func:`normkit.functional.softmax`, also on DTensors not sharded along ``dim``."""
+    if (type(input) is Tensor and type(dim) is int and dtype is None and type(_stacklevel) is int
+            and input.is_cpu and input.dtype.is_floating_point and not dispatch._IN_OVERRIDE[0]):  # fmt: skip
+        try:  # the common CPU call: _softmax's first branch inlined (a 1x8 call is ~1.5 us in torch)
+            return input.softmax(dim)
+        except cpu.ERRORS:
+            pass
     return _softmax("softmax", False, input, dim, _stacklevel, dtype)
 
 
 def log_softmax(input, dim=None, _stacklevel=3, dtype=None):
     """:func:`normkit.functional.log_softmax`, also on DTensors not sharded along ``dim``."""
+    if (type(input) is Tensor and type(dim) is int and dtype is None and type(_stacklevel) is int
+            and input.is_cpu and input.dtype.is_floating_point and not dispatch._IN_OVERRIDE[0]):  # fmt: skip
+        try:  # (as softmax)
+            return input.log_softmax(dim)
+        except cpu.ERRORS:
+            pass
     return _softmax("log_softmax", True, input, dim, _stacklevel, dtype)
 
 

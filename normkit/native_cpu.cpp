@@ -101,6 +101,38 @@ struct F16 {
   }
 };
 
+// The sum of x[0, n) and the sum of (x - mean)^2 there: 16 fp32 lanes, the lanes added in order, then
+// the tail (the LayerNorm rows' and the GroupNorm chunks' statistics).
+template <typename C>
+__attribute__((always_inline)) inline float lane_sum(const uint16_t* x, int64_t n) {
+  float acc[kLanes] = {0.f};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    NK_LANES for (int j = 0; j < kLanes; ++j) acc[j] += C::load(x[i + j]);
+  float sum = 0.f;
+  for (int j = 0; j < kLanes; ++j) sum += acc[j];
+  for (; i < n; ++i) sum += C::load(x[i]);
+  return sum;
+}
+
+template <typename C>
+__attribute__((always_inline)) inline float lane_sq(const uint16_t* x, int64_t n, float mean) {
+  float sq[kLanes] = {0.f};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    NK_LANES for (int j = 0; j < kLanes; ++j) {
+      const float d = C::load(x[i + j]) - mean;
+      sq[j] += d * d;
+    }
+  float sum = 0.f;
+  for (int j = 0; j < kLanes; ++j) sum += sq[j];
+  for (; i < n; ++i) {
+    const float d = C::load(x[i]) - mean;
+    sum += d * d;
+  }
+  return sum;
+}
+
 // The rows of one block, for the backward's parameter sums and the threads' grain.
 int64_t rows_per_block(int64_t N) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(N, 1)); }
 
@@ -109,27 +141,8 @@ NK_CLONES void forward_rows(const uint16_t* X, const float* W, const float* B, u
                             int64_t N, float eps, int64_t lo, int64_t hi) {
   for (int64_t r = lo; r < hi; ++r) {
     const uint16_t* x = X + r * N;
-    float acc[kLanes] = {0.f};
-    int64_t i = 0;
-    for (; i + kLanes <= N; i += kLanes)
-      NK_LANES for (int j = 0; j < kLanes; ++j) acc[j] += C::load(x[i + j]);
-    float sum = 0.f;
-    for (int j = 0; j < kLanes; ++j) sum += acc[j];
-    for (; i < N; ++i) sum += C::load(x[i]);
-    const float mean = sum / static_cast<float>(N);
-    float sq[kLanes] = {0.f};
-    i = 0;
-    for (; i + kLanes <= N; i += kLanes)
-      NK_LANES for (int j = 0; j < kLanes; ++j) {
-        const float d = C::load(x[i + j]) - mean;
-        sq[j] += d * d;
-      }
-    float var = 0.f;
-    for (int j = 0; j < kLanes; ++j) var += sq[j];
-    for (; i < N; ++i) {
-      const float d = C::load(x[i]) - mean;
-      var += d * d;
-    }
+    const float mean = lane_sum<C>(x, N) / static_cast<float>(N);
+    const float var = lane_sq<C>(x, N, mean);
     const float rstd = 1.f / std::sqrt(var / static_cast<float>(N) + eps);
     Mean[r] = mean;
     Rstd[r] = rstd;
@@ -343,39 +356,10 @@ NK_CLONES void gn_forward_rows(const uint16_t* X, const float* W, const float* B
   const int64_t L = D * S;
   for (int64_t r = lo; r < hi; ++r) {
     const uint16_t* x = X + r * L;
-    double total = 0.;
-    for (int64_t i0 = 0; i0 < L; i0 += kChunk) {
-      const uint16_t* xc = x + i0;
-      const int64_t n = std::min(kChunk, L - i0);
-      float acc[kLanes] = {0.f};
-      int64_t i = 0;
-      for (; i + kLanes <= n; i += kLanes)
-        NK_LANES for (int j = 0; j < kLanes; ++j) acc[j] += C::load(xc[i + j]);
-      float sum = 0.f;
-      for (int j = 0; j < kLanes; ++j) sum += acc[j];
-      for (; i < n; ++i) sum += C::load(xc[i]);
-      total += sum;
-    }
+    double total = 0., sq_total = 0.;  // chunks of kChunk values, added in double
+    for (int64_t i0 = 0; i0 < L; i0 += kChunk) total += lane_sum<C>(x + i0, std::min(kChunk, L - i0));
     const float mean = static_cast<float>(total / static_cast<double>(L));
-    double sq_total = 0.;
-    for (int64_t i0 = 0; i0 < L; i0 += kChunk) {
-      const uint16_t* xc = x + i0;
-      const int64_t n = std::min(kChunk, L - i0);
-      float sq[kLanes] = {0.f};
-      int64_t i = 0;
-      for (; i + kLanes <= n; i += kLanes)
-        NK_LANES for (int j = 0; j < kLanes; ++j) {
-          const float d = C::load(xc[i + j]) - mean;
-          sq[j] += d * d;
-        }
-      float sum = 0.f;
-      for (int j = 0; j < kLanes; ++j) sum += sq[j];
-      for (; i < n; ++i) {
-        const float d = C::load(xc[i]) - mean;
-        sum += d * d;
-      }
-      sq_total += sum;
-    }
+    for (int64_t i0 = 0; i0 < L; i0 += kChunk) sq_total += lane_sq<C>(x + i0, std::min(kChunk, L - i0), mean);
     const float rstd = 1.f / std::sqrt(static_cast<float>(sq_total / static_cast<double>(L)) + eps);
     Mean[r] = mean;
     Rstd[r] = rstd;

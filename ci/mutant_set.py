@@ -56,6 +56,10 @@ MUTANTS = [
            "if self.overrides is dispatch.overrides():", "if True:",
            ("tests/test_api.py", "-k", "contract_plan_backward"),
            what="a contract plan's backward runs under the backward thread's overrides, not the forward's"),
+    Mutant("plans-clear-keeps-the-door", "normkit/plans.py", "_Cache.clear",
+           "        if DOOR_CLEAR is not None:\n            DOOR_CLEAR()\n", "",
+           ("tests/test_native.py", *_k("empties_the_door")),
+           what="clearing the plan cache (a config change) leaves the door serving the old plans"),
     Mutant("plans-contract-plans-not-remembered", "normkit/plans.py", "make",
            "        _PLANS[key] = plan\n", "        _PLANS[key] = None if is_contract(plan) else plan\n",
            ("tests/test_api.py", "-k", "remembered_contract_plans"),
@@ -282,6 +286,12 @@ MUTANTS = [
            "if native.spec is None or not launch.quiet():",
            _gpu("tests/test_native.py", "batch_norm_replays", "training", "bf16"), device="cuda",
            what="BatchNorm's native training plan replayed whatever the call's momentum"),
+    # the door's key without "gradient wanted": a training softmax served by the inference program
+    # recorded for the same signature (an output with no grad_fn)
+    Mutant("cuda-native-door-ignores-grad", "backends/cuda/native.cpp", "",
+           "std::vector<int64_t> k{op, train, ", "std::vector<int64_t> k{op, false, ",
+           _gpu("tests/test_native.py", "served_through_the_door"), device="cuda",
+           what="the softmax door's key forgets whether a gradient is wanted"),
     # (1, 40999) then (3, 40999): the second call's training plan is the first's (grid, M of 1 row).
     Mutant("cuda-plan-key-row-length-only", "normkit/plans.py", "key",
            "return (op, input.shape, input.dtype", "return (op, input.shape[-1:], input.dtype",

@@ -314,8 +314,25 @@ class BatchNormContract(_Restored):
 
 # --- the plan cache ---------------------------------------------------------------------------------
 
-_PLANS: dict = {}
+
+class _Cache(dict):
+    """The remembered plans by key; clearing it also empties the backend's door (below)."""
+
+    __slots__ = ()
+
+    def clear(self) -> None:
+        super().clear()
+        if DOOR_CLEAR is not None:
+            DOOR_CLEAR()
+
+
+_PLANS: dict = _Cache()
 PLANS_SIZE = 4096  # signatures remembered; then cleared
+# A backend's front door to its remembered softmax / log_softmax plans (CUDA: native.cpp's door,
+# which backends/cuda/native.py sets once it holds a recorded plan): ``DOOR(x, dim, op)`` gives the
+# output of a plain last-dim call (op 0: softmax, 1: log_softmax) without normkit's Python, or None;
+# normkit.softmax tries it first while no override is in effect (dispatch._IN_OVERRIDE).
+DOOR = DOOR_CLEAR = None
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -394,7 +411,9 @@ def make(key, backend, family: str, op: str, rows: Tensor, *args, contract=(), t
         scalars = tuple(None if isinstance(a, Tensor) else a for a in args)  # no tensor kept alive
         plan = _TRAINING[op](*plan, spec=(op, tuple(rows.shape), scalars))
     if own and (accelerate := getattr(backend, "accelerate", None)) is not None:
-        plan = accelerate(plan, op, train)  # the backend's host path for its own plans (CUDA: native.py)
+        # the backend's host path for its own plans (CUDA: native.py); its door serves calls of this key
+        # only where no override is in it (the door does not see overrides)
+        plan = accelerate(plan, op, train, door=key is not None and not overrides_key())
     if key is not None:
         if len(_PLANS) >= PLANS_SIZE:
             _PLANS.clear()

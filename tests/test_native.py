@@ -256,6 +256,106 @@ def test_inference_calls_replay_from_cpp(gpu, monkeypatch, op, M, N):
                 _close(h, want_h, torch.bfloat16, f"call {call} h")
 
 
+# --- the door: softmax / log_softmax served by one C++ call (native.cpp's door) --------------------
+
+
+def test_door_serves_nothing_it_has_not_been_given(lib):
+    lib.door_setup(native.launch.triton.knobs.runtime, native.launch)
+    x = torch.randn(3, 8)
+    for args in ((x, -1, 0), (x, 1, 1), (x, 0, 0), (3, -1, 0), (x, None, 0), (x, True, 0), (x, -1, 2**70),
+                 (x, 2**70, 0), (x.t(), -1, 0), (torch.nn.Parameter(x), -1, 0), (x, -1)):  # fmt: skip
+        assert lib.door(*args) is None, args
+    program = lib.program(1, 2, [(1, [3, 8], torch.float32, False)], [], [1])
+    with pytest.raises(RuntimeError, match="door takes a contiguous CUDA tensor"):
+        lib.door_put_program(0, x, program)
+    with pytest.raises(RuntimeError, match="one-tensor programs"):
+        lib.door_put_program(0, x, _forward_program(lib, 3, 8))
+
+
+def test_clearing_the_plan_cache_empties_the_door(monkeypatch):
+    cleared = []
+    monkeypatch.setattr(plans, "DOOR_CLEAR", lambda: cleared.append(True))
+    plans._PLANS.clear()
+    assert cleared == [True]
+
+
+class _Hook:
+    """A Triton launch hook (a profiler's stand-in) that counts the launches it sees."""
+
+    calls = True
+
+    def __init__(self):
+        self.seen = 0
+
+    def __call__(self, *args, **kwargs):
+        self.seen += 1
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("op", ["softmax", "log_softmax"])
+def test_softmax_calls_are_served_through_the_door(gpu, lib, monkeypatch, op):
+    from normkit import dispatch, distributed
+
+    fn, oracle = getattr(normkit, op), getattr(F, op)
+
+    def check(x, y, what, grad):
+        xd = x.detach().double().requires_grad_(grad)
+        want = oracle(xd, -1)
+        _close(y, want.detach(), x.dtype, f"{what} y")
+        if grad:  # the gradient through the node the door made
+            dy = torch.randn_like(y)
+            (dx,) = torch.autograd.grad(y, [x], dy)
+            (want_dx,) = torch.autograd.grad(want, [xd], dy.double())
+            _close(dx, want_dx, x.dtype, f"{what} dx")
+
+    def fresh(grad, shape=(64, 4096), dtype=torch.bfloat16):
+        return torch.randn(shape, device="cuda:0", dtype=dtype).requires_grad_(grad)
+
+    # inference first, then training of the same signature: each its own entry (the key holds
+    # whether a gradient is wanted)
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            for call in range(3):  # recorded on the third
+                x = fresh(grad)
+                check(x, fn(x, -1), f"grad {grad} call {call}", grad)
+            assert plans.DOOR is not None and lib.door_size() == 1 + grad
+            with monkeypatch.context() as m:  # from here on the Python path fails the test
+                m.setattr(distributed, "_softmax", lambda *a: pytest.fail("the call left the door"))
+                for call in range(3, 5):
+                    x = fresh(grad)
+                    check(x, fn(x, x.dim() - 1 if call == 4 else -1), f"grad {grad} call {call}", grad)
+    # calls the door has no entry for take the Python path, with its results: another dtype or
+    # shape, a transposed (non-contiguous) input, another dim, an input 16-byte misaligned
+    buffer = torch.randn(64 * 4096 + 1, device="cuda:0", dtype=torch.bfloat16)
+    others = [("fp32", fresh(False, dtype=torch.float32), -1), ("shape", fresh(False, (8, 4096)), -1),
+              ("transposed", fresh(False).t(), -1), ("dim 0", fresh(False), 0),
+              ("misaligned", buffer[1:].view(64, 4096), -1)]  # fmt: skip
+    for what, x, dim in others:
+        for call in range(4):
+            with torch.no_grad():
+                y = fn(x, dim)
+            _close(y, oracle(x.double(), dim), x.dtype, f"{what} call {call}")
+    # a launch hook (a profiler) sees every launch: the door steps aside while one is set
+    x = fresh(False)
+    hook = _Hook()
+    monkeypatch.setattr(native.launch.triton.knobs.runtime, "launch_enter_hook", hook)
+    assert lib.door(x, -1, native.DOOR_OPS[op]) is None
+    with torch.no_grad():
+        _close(fn(x, -1), oracle(x.double(), -1), x.dtype, "with a hook")
+    assert hook.seen >= 1
+    monkeypatch.setattr(native.launch.triton.knobs.runtime, "launch_enter_hook", None)
+    # under an override the door is not asked (its entries were made without one)
+    asked = []
+    door = plans.DOOR
+    monkeypatch.setattr(plans, "DOOR", lambda *a: asked.append(a) or door(*a))
+    with dispatch.use_backend("cuda", "normkit.backends.npu"), torch.no_grad():
+        x = fresh(False)
+        _close(fn(x, -1), oracle(x.double(), -1), x.dtype, "under an override")
+    assert not asked
+    plans._PLANS.clear()
+    assert lib.door_size() == 0
+
+
 def _batch_norm_call(x, rm, rv, w, b, momentum, fp64_stats):
     """normkit's training BatchNorm and fp64 torch's on the same inputs -> (y, want)."""
     y = normkit.batch_norm(x, rm, rv, w, b, True, momentum, 1e-5)

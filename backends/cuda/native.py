@@ -176,14 +176,37 @@ def _program(inputs, allocations, trace, outputs):
 # --- plans with the native path ----------------------------------------------------------------------
 
 
-def accelerate(plan, op: str, train: bool):
+def accelerate(plan, op: str, train: bool, door: bool = False):
     """``plan`` (a CUDA plan from plans.make: an inference plan, or a ``plans.Training``) with the
-    native host path, where ``op`` has one and the extension is loaded; else ``plan`` itself."""
+    native host path, where ``op`` has one and the extension is loaded; else ``plan`` itself.
+    ``door``: a softmax / log_softmax plan, once recorded, also serves calls through the door
+    (:func:`_enter`)."""
     if op not in OPS or module() is None:
         return plan
+    door_op = DOOR_OPS.get(op) if door else None
     if not train:
-        return BatchNormRun(plan) if op == "batch_norm" else Run(plan)
-    return _TRAINING[type(plan)](plan)
+        return BatchNormRun(plan) if op == "batch_norm" else Run(plan, door_op)
+    made = _TRAINING[type(plan)](plan)
+    made.native.door = door_op
+    return made
+
+
+# --- the front door: softmax calls served from C++ before normkit's Python (native.cpp's door) -------
+DOOR_OPS = {"softmax": 0, "log_softmax": 1}
+
+
+def _enter(op: int, x: torch.Tensor, made) -> None:
+    """Serve calls like this one (x: the recorded call's input) through the door: ``made``, a recorded
+    inference Program or a training Spec, entered under the call's signature; the door is set up on
+    first use (plans.DOOR, emptied with plans._PLANS)."""
+    lib = module()
+    if plans.DOOR is None:
+        lib.door_setup(launch.triton.knobs.runtime, launch)
+        plans.DOOR_CLEAR, plans.DOOR = lib.door_clear, lib.door
+    if isinstance(made, lib.Spec):
+        lib.door_put_spec(op, x, made)
+    else:
+        lib.door_put_program(op, x, made)
 
 
 class _Attempts:
@@ -212,10 +235,11 @@ class _Attempts:
 class Run:
     """An inference plan on the native path: recorded (:class:`_Attempts`), then replayed."""
 
-    __slots__ = ("plan", "program", "tuple", "attempts")
+    __slots__ = ("plan", "program", "tuple", "attempts", "door")
 
-    def __init__(self, plan):
+    def __init__(self, plan, door=None):
         self.plan, self.program, self.tuple, self.attempts = plan, None, False, _Attempts()
+        self.door = door  # the door's op number where the program is to serve it too
 
     @property
     def refused(self):
@@ -231,6 +255,8 @@ class Run:
         out, made = self.attempts.record(self.plan, args)
         if made is not None:
             self.tuple, self.program = isinstance(out, tuple), made
+            if self.door is not None:
+                _enter(self.door, args[0], made)
         return out
 
 
@@ -261,6 +287,7 @@ class _Native:
 
     def __init__(self, plan, family):
         self.forward, self.family, self.spec, self.scalars = plan.forward, family, None, ()
+        self.door = None  # the door's op number where the spec is to serve it too (accelerate)
         self.attempts = _Attempts()
         self.back = _Backward(plan, family)
 
@@ -283,6 +310,8 @@ class _Native:
             dtypes = self.family.grad_dtypes(args, out)
             self.spec = module().spec(made, self.family.RETURNED, self.family.SAVED, dtypes, self.back)
             self.back.node = weakref.ref(self.spec)
+            if self.door is not None:
+                _enter(self.door, args[0], self.spec)
         return out
 
 

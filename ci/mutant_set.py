@@ -286,12 +286,12 @@ MUTANTS = [
            "if native.spec is None or not launch.quiet():",
            _gpu("tests/test_native.py", "batch_norm_replays", "training", "bf16"), device="cuda",
            what="BatchNorm's native training plan replayed whatever the call's momentum"),
-    # the door's key without "gradient wanted": a training softmax served by the inference program
-    # recorded for the same signature (an output with no grad_fn)
-    Mutant("cuda-native-door-ignores-grad", "backends/cuda/native.cpp", "",
-           "std::vector<int64_t> k{op, train, ", "std::vector<int64_t> k{op, false, ",
-           _gpu("tests/test_native.py", "served_through_the_door"), device="cuda",
-           what="the softmax door's key forgets whether a gradient is wanted"),
+    # the door's key without the 16-byte alignment: a misaligned input served by the program recorded
+    # for an aligned one (kernels specialized on aligned pointers)
+    Mutant("cuda-native-door-ignores-alignment", "backends/cuda/native.cpp", "",
+           "reinterpret_cast<uint64_t>(t.data_ptr()) % 16 == 0, t.dim()", "true, t.dim()",
+           _gpu("tests/test_native.py", "softmax_calls_are_served_through_the_door"), device="cuda",
+           what="the door's key forgets the input's alignment"),
     # (1, 40999) then (3, 40999): the second call's training plan is the first's (grid, M of 1 row).
     Mutant("cuda-plan-key-row-length-only", "normkit/plans.py", "key",
            "return (op, input.shape, input.dtype", "return (op, input.shape[-1:], input.dtype",

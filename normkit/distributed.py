@@ -290,6 +290,9 @@ def _accepted_rows(x, normalized_shape) -> str:
 
 def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     """:func:`normkit.functional.layer_norm`, also on DTensors (see :mod:`normkit.distributed`)."""
+    if (door := plans.DOOR) is not None and not dispatch._IN_OVERRIDE[0] and not _compiling() \
+            and (y := door(2, input, normalized_shape, weight, bias, eps)) is not None:
+        return y  # a CUDA call that a recorded plan serves: the backend's door (plans.DOOR)
     if cpu.serves(input) and (y := cpu.layer_norm(input, normalized_shape, weight, bias, eps)) is not None:
         return y
     if _plain(input, weight, bias):
@@ -301,6 +304,9 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
 
 def rms_norm(input, normalized_shape, weight=None, eps=None):
     """:func:`normkit.functional.rms_norm`, also on DTensors (see :mod:`normkit.distributed`)."""
+    if (door := plans.DOOR) is not None and not dispatch._IN_OVERRIDE[0] and not _compiling() \
+            and (y := door(3, input, normalized_shape, weight, None, eps)) is not None:
+        return y  # (as layer_norm)
     if cpu.serves(input) and (y := cpu.rms_norm(input, normalized_shape, weight, eps)) is not None:
         return y
     if _plain(input, weight):

@@ -328,10 +328,11 @@ class _Cache(dict):
 
 _PLANS: dict = _Cache()
 PLANS_SIZE = 4096  # signatures remembered; then cleared
-# A backend's front door to its remembered softmax / log_softmax plans (CUDA: native.cpp's door,
-# which backends/cuda/native.py sets once it holds a recorded plan): ``DOOR(x, dim, op)`` gives the
-# output of a plain last-dim call (op 0: softmax, 1: log_softmax) without normkit's Python, or None;
-# normkit.softmax tries it first while no override is in effect (dispatch._IN_OVERRIDE).
+# A backend's front door to its remembered plans (CUDA: native.cpp's door, which
+# backends/cuda/native.py sets once it holds a recorded plan): ``DOOR(x, dim, op)`` (op 0: softmax,
+# 1: log_softmax) or ``DOOR(op, x, normalized_shape, weight, bias, eps)`` (2: layer_norm, 3:
+# rms_norm) gives the call's output without normkit's Python, or None; normkit.softmax, layer_norm
+# and rms_norm try it first while no override is in effect (dispatch._IN_OVERRIDE).
 DOOR = DOOR_CLEAR = None
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -413,7 +414,7 @@ def make(key, backend, family: str, op: str, rows: Tensor, *args, contract=(), t
     if own and (accelerate := getattr(backend, "accelerate", None)) is not None:
         # the backend's host path for its own plans (CUDA: native.py); its door serves calls of this key
         # only where no override is in it (the door does not see overrides)
-        plan = accelerate(plan, op, train, door=key is not None and not overrides_key())
+        plan = accelerate(plan, op, train, door=key if key is not None and not overrides_key() else None)
     if key is not None:
         if len(_PLANS) >= PLANS_SIZE:
             _PLANS.clear()

@@ -265,11 +265,18 @@ def test_door_serves_nothing_it_has_not_been_given(lib):
     for args in ((x, -1, 0), (x, 1, 1), (x, 0, 0), (3, -1, 0), (x, None, 0), (x, True, 0), (x, -1, 2**70),
                  (x, 2**70, 0), (x.t(), -1, 0), (torch.nn.Parameter(x), -1, 0), (x, -1)):  # fmt: skip
         assert lib.door(*args) is None, args
+    w = torch.randn(8)
+    norms = [(2, x, (8,), w, w, 1e-5), (3, x, 8, w, None, None), (2, x, (8,), w, w), (4, x, 8, w, w, 1e-5),
+             (2, x, [8], w, w, 1e-5), (2, x, torch.Size([8]), None, None, 1e-5)]  # fmt: skip
+    for args in norms:
+        assert lib.door(*args) is None, args
     program = lib.program(1, 2, [(1, [3, 8], torch.float32, False)], [], [1])
     with pytest.raises(RuntimeError, match="door takes a contiguous CUDA tensor"):
         lib.door_put_program(0, x, program)
     with pytest.raises(RuntimeError, match="one-tensor programs"):
         lib.door_put_program(0, x, _forward_program(lib, 3, 8))
+    with pytest.raises(RuntimeError, match="arguments the door does not serve"):
+        lib.door_put_norm_program(_forward_program(lib, 3, 8), 2, x, (8,), w, w, 1e-5)
 
 
 def test_clearing_the_plan_cache_empties_the_door(monkeypatch):
@@ -352,6 +359,67 @@ def test_softmax_calls_are_served_through_the_door(gpu, lib, monkeypatch, op):
         x = fresh(False)
         _close(fn(x, -1), oracle(x.double(), -1), x.dtype, "under an override")
     assert not asked
+    plans._PLANS.clear()
+    assert lib.door_size() == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_norm_calls_are_served_through_the_door(gpu, lib, monkeypatch, op):
+    from normkit import functional
+
+    N = 4096
+    ln = op == "layer_norm"
+
+    def call(x, w, b, shape=(N,), eps=1e-5):
+        if ln:
+            return normkit.layer_norm(x, shape, w, b, eps)
+        return normkit.rms_norm(x, shape, w, None if eps == 1e-5 else eps)  # eps None: finfo's, as torch
+
+    def oracle(x, w, b, eps=1e-5):
+        args = [t if t is None else t.double() for t in (x, w, b)]
+        if ln:
+            return F.layer_norm(args[0], (N,), args[1], args[2], eps)
+        return F.rms_norm(args[0], (N,), args[1], torch.finfo(x.dtype).eps if eps == 1e-5 else eps)
+
+    def fresh(grad, affine=True):
+        x = torch.randn(4, 16, N, device="cuda:0", dtype=torch.bfloat16).requires_grad_(grad)
+        w = torch.nn.Parameter(torch.randn(N, device="cuda:0", dtype=torch.bfloat16)) if affine else None
+        b = torch.randn(N, device="cuda:0", dtype=torch.bfloat16) if affine and ln else None
+        b = b if b is None else b.requires_grad_(grad)
+        if w is not None:
+            w.requires_grad_(grad)
+        return x, w, b
+
+    def check(x, w, b, y, what, grad):
+        _close(y, oracle(x, w, b), x.dtype, f"{what} y")
+        if grad:
+            dy = torch.randn_like(y)
+            tensors = [t for t in (x, w, b) if t is not None]
+            got = torch.autograd.grad(y, tensors, dy)
+            xd = [t.detach().double().requires_grad_() for t in tensors]
+            want = torch.autograd.grad(oracle(*xd, *(None,) * (3 - len(xd))), xd, dy.double())
+            for g, e, name in zip(got, want, "xwb"):
+                _close(g, e, x.dtype, f"{what} d{name}")
+
+    for grad in (False, True):  # (inference, then training: entries of their own)
+        with torch.set_grad_enabled(grad):
+            for call_no in range(3):
+                x, w, b = fresh(grad)
+                check(x, w, b, call(x, w, b), f"grad {grad} call {call_no}", grad)
+            assert lib.door_size() == 1 + grad
+            with monkeypatch.context() as m:  # from here on the Python path fails the test
+                m.setattr(functional, op, lambda *a: pytest.fail("the call left the door"))
+                for call_no, shape in ((3, (N,)), (4, N), (5, torch.Size([N])), (6, [N])):
+                    x, w, b = fresh(grad)
+                    check(x, w, b, call(x, w, b, shape), f"grad {grad} call {call_no} shape {shape!r}", grad)
+    # what the door has no entry for takes the Python path, with its results
+    for what, affine, eps in (("another eps", True, 1e-3), ("no weight", False, 1e-5)):
+        for call_no in range(4):
+            x, w, b = fresh(False, affine)
+            with torch.no_grad():
+                y = call(x, w, b, eps=eps)
+            _close(y, oracle(x, w, b, eps), x.dtype, f"{what} call {call_no}")
     plans._PLANS.clear()
     assert lib.door_size() == 0
 

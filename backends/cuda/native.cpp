@@ -17,16 +17,19 @@
 // first gradient or no program for the variant yet, it calls the plan's Python backward (under the
 // GIL), which is differentiable again and records the missing variant.
 //
-// Door: the front door of softmax / log_softmax, the calls whose whole cost in torch is a few µs of
-// host. A recorded softmax plan is also entered here under its call's signature (op, grad wanted,
-// shape, dtype, device, 16-byte alignment: the Python plan key's parts that vary without overrides),
-// and normkit.softmax tries door(x, dim, op) first: one C++ call that checks the tensor, finds the
-// program (or the training spec) and runs it, instead of the front end's checks, the plan key and
-// the plan's wrappers in Python. It serves nothing while a Triton launch hook or the tests' launch
-// recording is set (what launch.quiet() checks), and it is emptied with the plan cache.
+// Door: the front door of softmax / log_softmax, layer_norm and rms_norm, the calls whose whole cost
+// in torch is a few µs of host. A recorded plan of theirs is also entered here under its call's
+// signature (the Python plan key's parts that vary without overrides: op, gradient wanted, each
+// tensor's kind, shape, dtype, device and 16-byte alignment, normalized_shape, eps), and
+// normkit.softmax / layer_norm / rms_norm try door(...) first: one C++ call that checks the
+// arguments, finds the program (or the training spec) and runs it, instead of the front end's
+// checks, the plan key and the plan's wrappers in Python. It serves nothing while a Triton launch
+// hook or the tests' launch recording is set (what launch.quiet() checks), and it is emptied with
+// the plan cache.
 
 #include <torch/extension.h>
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/Size.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/python_variable.h>
 
@@ -35,6 +38,8 @@
 #include <dlfcn.h>
 
 #include <array>
+#include <cstring>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -339,12 +344,99 @@ DoorState& door_state() {
   return *state;
 }
 
-// op, whether a gradient is wanted, dtype, device index, 16-byte alignment, then the sizes
+// a tensor's part of a key: dtype, device index, 16-byte alignment, dims, sizes
+void tensor_key(std::vector<int64_t>& k, const at::Tensor& t) {
+  k.insert(k.end(), {static_cast<int64_t>(t.scalar_type()), t.device().index(),
+                     reinterpret_cast<uint64_t>(t.data_ptr()) % 16 == 0, t.dim()});
+  for (int64_t s : t.sizes()) k.push_back(s);
+}
+
+// softmax's key: op, whether a gradient is wanted, x
 std::vector<int64_t> door_key(int64_t op, bool train, const at::Tensor& x) {
-  std::vector<int64_t> k{op, train, static_cast<int64_t>(x.scalar_type()), x.device().index(),
-                         reinterpret_cast<uint64_t>(x.data_ptr()) % 16 == 0};
-  for (int64_t s : x.sizes()) k.push_back(s);
+  std::vector<int64_t> k{op, train};
+  tensor_key(k, x);
   return k;
+}
+
+enum DoorOp : int64_t { SOFTMAX = 0, LOG_SOFTMAX = 1, LAYER_NORM = 2, RMS_NORM = 3 };
+
+// x as the door serves it: a plain contiguous CUDA tensor of one or more dims
+const at::Tensor* door_input(PyObject* obj) {
+  if (Py_TYPE(obj) != reinterpret_cast<PyTypeObject*>(THPVariableClass)) return nullptr;
+  const at::Tensor& x = THPVariable_Unpack(obj);
+  if (!x.is_cuda() || x.dim() == 0 || !x.is_contiguous()) return nullptr;
+  return &x;
+}
+
+// layer_norm / rms_norm's key (op, x, normalized_shape, weight, bias, eps as the Python functions take
+// them) and the tensors the program takes (x, no residual, weight, bias); false where the door cannot
+// serve the call (a plan key of None, or arguments the Python path is to check)
+bool norm_key(PyObject* const* args, bool grad_mode, std::vector<int64_t>& k, std::array<at::Tensor, 4>& in,
+              bool& train) {
+  int overflow = 0;
+  long long op = PyLong_CheckExact(args[0]) ? PyLong_AsLongLongAndOverflow(args[0], &overflow) : -1;
+  if (overflow != 0 || (op != LAYER_NORM && op != RMS_NORM)) return false;
+  const at::Tensor* x = door_input(args[1]);
+  if (x == nullptr) return false;
+  train = grad_mode && x->requires_grad();
+  k.assign({op, 0});
+  tensor_key(k, *x);
+  // normalized_shape: an int, or a tuple / list / torch.Size of ints (functional._shape_key)
+  PyObject* shape = args[2];
+  if (PyLong_CheckExact(shape)) {
+    k.insert(k.end(), {1, PyLong_AsLongLongAndOverflow(shape, &overflow)});
+  } else if (PyTuple_Check(shape) || PyList_CheckExact(shape)) {
+    if (PyTuple_Check(shape) && !PyTuple_CheckExact(shape) && !THPSize_Check(shape)) return false;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(shape);
+    k.push_back(n);
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* d = PySequence_Fast_GET_ITEM(shape, i);
+      if (!PyLong_CheckExact(d)) return false;
+      k.push_back(PyLong_AsLongLongAndOverflow(d, &overflow));
+      if (overflow != 0) return false;
+    }
+  } else {
+    return false;
+  }
+  if (overflow != 0) return false;
+  in[0] = *x;
+  // weight, bias (rms_norm: bias None): None, or a contiguous Tensor / Parameter
+  for (int i = 0; i < 2; ++i) {
+    PyObject* t = args[3 + i];
+    if (t == Py_None) {
+      k.push_back(-1);
+      continue;
+    }
+    bool parameter = Py_TYPE(t) == reinterpret_cast<PyTypeObject*>(ParameterClass);
+    if (!parameter && Py_TYPE(t) != reinterpret_cast<PyTypeObject*>(THPVariableClass)) return false;
+    const at::Tensor& p = THPVariable_Unpack(t);
+    if (!p.is_cuda() || !p.is_contiguous()) return false;
+    train = train || (grad_mode && p.requires_grad());
+    k.push_back(parameter);
+    tensor_key(k, p);
+    in[2 + i] = p;
+  }
+  if (op == RMS_NORM && args[4] != Py_None) return false;
+  // eps: a float (rms_norm: None is the input dtype's machine epsilon, as torch's)
+  double eps;
+  if (PyFloat_CheckExact(args[5])) {
+    eps = PyFloat_AS_DOUBLE(args[5]);
+  } else if (args[5] == Py_None && op == RMS_NORM) {
+    switch (x->scalar_type()) {
+      case at::kFloat: eps = std::numeric_limits<float>::epsilon(); break;
+      case at::kDouble: eps = std::numeric_limits<double>::epsilon(); break;
+      case at::kHalf: eps = 0.0009765625; break;
+      case at::kBFloat16: eps = 0.0078125; break;
+      default: return false;
+    }
+  } else {
+    return false;
+  }
+  int64_t bits;
+  std::memcpy(&bits, &eps, sizeof bits);
+  k.push_back(bits);
+  k[1] = train;
+  return true;
 }
 
 // launch.quiet() in C++: no hook set whose `calls` is true (a hook without `calls` counts), no RECORD
@@ -382,42 +474,74 @@ bool door_quiet() {
   return none && hook_quiet(d.enter) && hook_quiet(d.leave);
 }
 
-// door(x, dim, op) -> the op's output, or None where no recorded plan serves the call as it is
-PyObject* door(PyObject*, PyObject* const* args, Py_ssize_t n) {
-  HANDLE_TH_ERRORS
-  if (n != 3 || Py_TYPE(args[0]) != reinterpret_cast<PyTypeObject*>(THPVariableClass) ||
-      !PyLong_CheckExact(args[1]) || !PyLong_CheckExact(args[2])) {
-    Py_RETURN_NONE;
-  }
-  const at::Tensor& x = THPVariable_Unpack(args[0]);
-  if (!x.is_cuda() || x.dim() == 0 || !x.is_contiguous()) Py_RETURN_NONE;
-  int overflow = 0;
-  long long dim = PyLong_AsLongLongAndOverflow(args[1], &overflow);
-  if (overflow != 0 || (dim != -1 && dim != x.dim() - 1)) Py_RETURN_NONE;
-  DoorState& d = door_state();
-  if (d.runtime == nullptr || d.entries.empty() || !door_quiet()) Py_RETURN_NONE;
-  bool train = at::GradMode::is_enabled() && x.requires_grad();
-  long long op = PyLong_AsLongLongAndOverflow(args[2], &overflow);
-  if (overflow != 0) Py_RETURN_NONE;
-  auto found = d.entries.find(door_key(op, train, x));
-  if (found == d.entries.end()) Py_RETURN_NONE;
+// the entry's output for these inputs (x, residual, weight, bias; absent ones undefined)
+PyObject* serve(const DoorEntry& e, bool train, const std::array<at::Tensor, 4>& in, size_t n) {
+  if (train ? !e.spec : !e.program) Py_RETURN_NONE;
   at::Tensor y;
   if (train) {
-    y = Node::apply(found->second.spec, x, std::nullopt, std::nullopt, std::nullopt, std::nullopt)[0];
+    auto opt = [&](size_t i) { return i < n && in[i].defined() ? Opt(in[i]) : Opt(); };
+    y = Node::apply(e.spec, opt(0), opt(1), opt(2), opt(3), std::nullopt)[0];
   } else {
-    y = found->second.program->run({x})[0];
+    y = e.program->run(std::vector<at::Tensor>(in.begin(), in.begin() + n))[0];
   }
   return THPVariable_Wrap(std::move(y));
+}
+
+// door(x, dim, op): softmax (op 0) / log_softmax (op 1); door(op, x, normalized_shape, weight, bias,
+// eps): layer_norm (op 2) / rms_norm (op 3). -> the op's output from a recorded plan, or None where
+// none serves the call as it is (the caller's Python path then serves it)
+PyObject* door(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  HANDLE_TH_ERRORS
+  DoorState& d = door_state();
+  if (d.runtime == nullptr || d.entries.empty()) Py_RETURN_NONE;
+  std::vector<int64_t> k;
+  std::array<at::Tensor, 4> in;
+  bool train = false;
+  size_t n_in = 4;
+  if (n == 3) {
+    const at::Tensor* x = door_input(args[0]);
+    if (x == nullptr || !PyLong_CheckExact(args[1]) || !PyLong_CheckExact(args[2])) Py_RETURN_NONE;
+    int overflow = 0;
+    long long dim = PyLong_AsLongLongAndOverflow(args[1], &overflow);
+    if (overflow != 0 || (dim != -1 && dim != x->dim() - 1)) Py_RETURN_NONE;
+    long long op = PyLong_AsLongLongAndOverflow(args[2], &overflow);
+    if (overflow != 0 || (op != SOFTMAX && op != LOG_SOFTMAX)) Py_RETURN_NONE;
+    train = at::GradMode::is_enabled() && x->requires_grad();
+    k = door_key(op, train, *x);
+    in[0] = *x;
+    n_in = 1;
+  } else if (n != 6 || !norm_key(args, at::GradMode::is_enabled(), k, in, train)) {
+    Py_RETURN_NONE;
+  }
+  if (!door_quiet()) Py_RETURN_NONE;
+  auto found = d.entries.find(k);
+  if (found == d.entries.end()) Py_RETURN_NONE;
+  return serve(found->second, train, in, n_in);
   END_HANDLE_TH_ERRORS
 }
 
 PyMethodDef door_def = {"door", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(door)), METH_FASTCALL,
-                        "door(x, dim, op) -> softmax (op 0) / log_softmax (op 1) of x from a recorded plan, or None"};
+                        "door(x, dim, op) (softmax 0, log_softmax 1) or door(op, x, normalized_shape, weight, "
+                        "bias, eps) (layer_norm 2, rms_norm 3) -> the output from a recorded plan, or None"};
 
 void door_put(int64_t op, const at::Tensor& x, bool train, DoorEntry entry) {
   TORCH_CHECK(x.is_cuda() && x.dim() > 0 && x.is_contiguous(), "normkit native: the door takes a contiguous "
               "CUDA tensor of one or more dims");
   door_state().entries[door_key(op, train, x)] = std::move(entry);
+}
+
+// a layer_norm / rms_norm entry, keyed by the recorded call's arguments as a call in grad mode (a
+// training spec) or not (an inference program) finds it
+void door_put_norm(py::args args, DoorEntry entry, size_t n_inputs, bool train) {
+  TORCH_CHECK(args.size() == 6, "normkit native: door_put_norm(op, x, normalized_shape, weight, bias, eps, made)");
+  std::array<PyObject*, 6> a;
+  for (size_t i = 0; i < 6; ++i) a[i] = args[i].ptr();
+  std::vector<int64_t> k;
+  std::array<at::Tensor, 4> in;
+  bool wanted = false;
+  TORCH_CHECK(n_inputs == 4 && norm_key(a.data(), train, k, in, wanted) && wanted == train,
+              "normkit native: a norm entry for arguments the door does not serve");
+  door_state().entries[k] = std::move(entry);
 }
 
 }  // namespace
@@ -488,6 +612,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     TORCH_CHECK(s->forward->n_inputs == 1 && s->returned.size() == 1, "normkit native: the door serves "
                 "one-tensor specs");
     door_put(op, x, true, {{}, s});
+  });
+  m.def("door_put_norm_program", [](c10::intrusive_ptr<Program> p, py::args args) {
+    TORCH_CHECK(p->outputs.size() >= 1, "normkit native: a program without outputs");
+    door_put_norm(args, {p, {}}, static_cast<size_t>(p->n_inputs), false);
+  });
+  m.def("door_put_norm_spec", [](c10::intrusive_ptr<Spec> s, py::args args) {
+    TORCH_CHECK(s->returned.size() == 1, "normkit native: the door serves specs of one returned output");
+    door_put_norm(args, {{}, s}, static_cast<size_t>(s->forward->n_inputs), true);
   });
   m.def("door_clear", [] { door_state().entries.clear(); });
   m.def("door_size", [] { return door_state().entries.size(); });

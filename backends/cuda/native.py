@@ -176,37 +176,46 @@ def _program(inputs, allocations, trace, outputs):
 # --- plans with the native path ----------------------------------------------------------------------
 
 
-def accelerate(plan, op: str, train: bool, door: bool = False):
+def accelerate(plan, op: str, train: bool, door=None):
     """``plan`` (a CUDA plan from plans.make: an inference plan, or a ``plans.Training``) with the
     native host path, where ``op`` has one and the extension is loaded; else ``plan`` itself.
-    ``door``: a softmax / log_softmax plan, once recorded, also serves calls through the door
-    (:func:`_enter`)."""
+    ``door``: the plan's key where the door may serve its calls (no override in it): a softmax,
+    layer_norm or rms_norm plan, once recorded, is entered there too (:func:`_enter`)."""
     if op not in OPS or module() is None:
         return plan
-    door_op = DOOR_OPS.get(op) if door else None
+    door = (DOOR_OPS[op], door) if door is not None and op in DOOR_OPS else None
     if not train:
-        return BatchNormRun(plan) if op == "batch_norm" else Run(plan, door_op)
+        return BatchNormRun(plan) if op == "batch_norm" else Run(plan, door)
     made = _TRAINING[type(plan)](plan)
-    made.native.door = door_op
+    made.native.door = door
     return made
 
 
-# --- the front door: softmax calls served from C++ before normkit's Python (native.cpp's door) -------
-DOOR_OPS = {"softmax": 0, "log_softmax": 1}
+# --- the front door: calls served from C++ before normkit's Python (native.cpp's door) --------------
+DOOR_OPS = {"softmax": 0, "log_softmax": 1, "layer_norm": 2, "rms_norm": 3}
 
 
-def _enter(op: int, x: torch.Tensor, made) -> None:
-    """Serve calls like this one (x: the recorded call's input) through the door: ``made``, a recorded
-    inference Program or a training Spec, entered under the call's signature; the door is set up on
-    first use (plans.DOOR, emptied with plans._PLANS)."""
+def _enter(door, args: tuple, made) -> None:
+    """Serve calls like this one through the door: ``door``, (op number, the plan's key); ``args``, the
+    recorded call's (x; layer_norm / rms_norm: x, residual, weight, bias); ``made``, its recorded
+    inference Program or training Spec. The door is set up on first use (plans.DOOR, emptied with
+    plans._PLANS)."""
     lib = module()
     if plans.DOOR is None:
         lib.door_setup(launch.triton.knobs.runtime, launch)
         plans.DOOR_CLEAR, plans.DOOR = lib.door_clear, lib.door
-    if isinstance(made, lib.Spec):
-        lib.door_put_spec(op, x, made)
-    else:
-        lib.door_put_program(op, x, made)
+    op, key = door
+    spec = isinstance(made, lib.Spec)
+    try:
+        if op < DOOR_OPS["layer_norm"]:
+            (lib.door_put_spec if spec else lib.door_put_program)(op, args[0], made)
+            return
+        normalized_shape, eps = key[6]  # functional's key: (..., (normalized_shape, eps), overrides, train)
+        x, _, weight, bias = args
+        put = lib.door_put_norm_spec if spec else lib.door_put_norm_program
+        put(made, op, x, normalized_shape, weight, bias, eps)
+    except RuntimeError:  # a call the door does not serve (native.cpp checks): the plan's path serves it
+        pass
 
 
 class _Attempts:
@@ -239,7 +248,7 @@ class Run:
 
     def __init__(self, plan, door=None):
         self.plan, self.program, self.tuple, self.attempts = plan, None, False, _Attempts()
-        self.door = door  # the door's op number where the program is to serve it too
+        self.door = door  # (op number, key) where the program is to serve the door too (accelerate)
 
     @property
     def refused(self):
@@ -255,8 +264,8 @@ class Run:
         out, made = self.attempts.record(self.plan, args)
         if made is not None:
             self.tuple, self.program = isinstance(out, tuple), made
-            if self.door is not None:
-                _enter(self.door, args[0], made)
+            if self.door is not None and not self.tuple:
+                _enter(self.door, args, made)
         return out
 
 
@@ -287,7 +296,7 @@ class _Native:
 
     def __init__(self, plan, family):
         self.forward, self.family, self.spec, self.scalars = plan.forward, family, None, ()
-        self.door = None  # the door's op number where the spec is to serve it too (accelerate)
+        self.door = None  # (op number, key) where the spec is to serve the door too (accelerate)
         self.attempts = _Attempts()
         self.back = _Backward(plan, family)
 
@@ -311,7 +320,7 @@ class _Native:
             self.spec = module().spec(made, self.family.RETURNED, self.family.SAVED, dtypes, self.back)
             self.back.node = weakref.ref(self.spec)
             if self.door is not None:
-                _enter(self.door, args[0], self.spec)
+                _enter(self.door, args, self.spec)
         return out
 
 

@@ -18,6 +18,10 @@ kernel, a tensor op that computes, a tensor the plan did not allocate, a kernel 
 it does not pass: ``compat.native_launch``) refuses it, and that plan keeps its Python path.
 Dropout plans are never remembered (their seed changes per call), so they are never recorded.
 
+The door: a recorded softmax / log_softmax / layer_norm / rms_norm plan made without overrides is
+also entered in native.cpp's door under its call's signature, and the public function calls the
+door first (``plans.DOOR``): one C++ call from the user's call to the replay (:func:`_enter`).
+
 When: the extension is compiled once per torch / Python / source (``normkit native``, 30-60 s;
 a C++ compiler and ninja, no CUDA toolkit: the driver is looked up at run time) by
 :mod:`normkit.native`, which says where and when. Launch hooks (profilers) and the tests' launch recording

@@ -294,15 +294,15 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     if (door := plans.DOOR) is not None and not dispatch._IN_OVERRIDE[0] and not _compiling() \
             and (y := door(2, input, normalized_shape, weight, bias, eps)) is not None:
         return y  # a CUDA call that a recorded plan serves: the backend's door (plans.DOOR)
-    if type(input) is Tensor and input.is_cpu and not dispatch._IN_OVERRIDE[0]:  # (cpu.serves)
-        if input.dtype is _FLOAT32 and type(eps) is float and 0 <= eps < _INF and input.numel():
-            try:  # the common CPU call: cpu.layer_norm's fp32 route inlined (a 1x8 call is ~5 us in torch)
-                shape = (normalized_shape,) if type(normalized_shape) is int else normalized_shape
+    if (type(input) is Tensor and input.is_cpu and not dispatch._IN_OVERRIDE[0] and type(eps) is float
+            and 0 <= eps < _INF and input.dtype.is_floating_point and input.numel()):  # fmt: skip
+        try:  # the CPU call: cpu.layer_norm inlined (a 1x8 call is ~5 us in torch)
+            shape = (normalized_shape,) if type(normalized_shape) is int else normalized_shape
+            if input.dtype is _FLOAT32:
                 return torch.layer_norm(input, shape, weight, bias, eps)
-            except cpu.ERRORS:
-                pass
-        elif (y := cpu.layer_norm(input, normalized_shape, weight, bias, eps)) is not None:
-            return y
+            return cpu._layer_norm(input, shape, weight, bias, eps)
+        except cpu.ERRORS:
+            pass
     if _plain(input, weight, bias):
         return F.layer_norm(input, normalized_shape, weight, bias, eps)
     return _sharded("layer_norm", input, "input", _trailing_dims(input, normalized_shape),
@@ -414,13 +414,15 @@ def _add_norm(op, fn, x, residual, normalized_shape, params, dropout_p, seed, **
 def add_layer_norm(x, residual, normalized_shape, weight=None, bias=None, eps=1e-5, dropout_p=0.0,
                    seed=None, residual_dtype=None, prenorm=False):  # fmt: skip
     """:func:`normkit.functional.add_layer_norm`, also on DTensors (see :mod:`normkit.distributed`)."""
-    if (type(x) is Tensor and x.is_cpu and x.dtype is _FLOAT32 and type(residual) is Tensor
-            and residual.dtype is _FLOAT32 and type(dropout_p) is float and dropout_p == 0 and seed is None
-            and residual_dtype is None and prenorm is False and type(eps) is float and 0 <= eps < _INF
-            and not dispatch._IN_OVERRIDE[0] and residual.shape == x.shape and x.numel()):  # fmt: skip
-        try:  # the common fp32 CPU call: cpu.add_norm's first route inlined (a 1x8 call is ~7 us in torch)
+    if (type(x) is Tensor and x.is_cpu and type(residual) is Tensor and residual.dtype is x.dtype
+            and type(dropout_p) is float and dropout_p == 0 and seed is None and residual_dtype is None
+            and prenorm is False and type(eps) is float and 0 <= eps < _INF and not dispatch._IN_OVERRIDE[0]
+            and x.dtype.is_floating_point and residual.shape == x.shape and x.numel()):  # fmt: skip
+        try:  # the common CPU call: cpu.add_norm's first route inlined (a 1x8 call is ~7 us in torch)
             shape = (normalized_shape,) if type(normalized_shape) is int else normalized_shape
-            return torch.layer_norm(x + residual, shape, weight, bias, eps)
+            if x.dtype is _FLOAT32:
+                return torch.layer_norm(x + residual, shape, weight, bias, eps)
+            return cpu._layer_norm(x + residual, shape, weight, bias, eps)
         except cpu.ERRORS:
             pass
     elif cpu.serves(x):

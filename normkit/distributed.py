@@ -355,16 +355,10 @@ def log_softmax(input, dim=None, _stacklevel=3, dtype=None):
 
 def _softmax(op, log, input, dim, stacklevel, dtype):
     if type(input) is Tensor and type(dim) is int and dtype is None and type(stacklevel) is int:
-        # the common call: on CPU, cpu.softmax's inlined (~0.5 us a call); elsewhere the plan
-        # functional remembered for it, found without its layers (~1 us: docs/performance.md)
-        if not input.is_cpu:
-            if (plan := plans.stored(F.softmax_key(op, input, dim, None))) is not None:
-                return plan(input)
-        elif input.dtype.is_floating_point and not dispatch._IN_OVERRIDE[0]:
-            try:
-                return input.log_softmax(dim) if log else input.softmax(dim)
-            except cpu.ERRORS:
-                pass
+        # the common call (on CPU the public functions ran it already): the plan functional
+        # remembered for it, found without its layers (~1 us: docs/performance.md)
+        if not input.is_cpu and (plan := plans.stored(F.softmax_key(op, input, dim, None))) is not None:
+            return plan(input)
     elif type(stacklevel) is int and cpu.serves(input):  # (a dtype there is an error: see functional)
         if (y := cpu.softmax(input, dim, dtype, log)) is not None:
             return y

@@ -271,12 +271,10 @@ def test_door_serves_nothing_it_has_not_been_given(lib):
     for args in norms:
         assert lib.door(*args) is None, args
     program = lib.program(1, 2, [(1, [3, 8], torch.float32, False)], [], [1])
-    with pytest.raises(RuntimeError, match="door takes a contiguous CUDA tensor"):
-        lib.door_put_program(0, x, program)
-    with pytest.raises(RuntimeError, match="one-tensor programs"):
-        lib.door_put_program(0, x, _forward_program(lib, 3, 8))
-    with pytest.raises(RuntimeError, match="arguments the door does not serve"):
-        lib.door_put_norm_program(_forward_program(lib, 3, 8), 2, x, (8,), w, w, 1e-5)
+    for args in ((x, -1, 0), (2, x, (8,), w, w, 1e-5), (x, -1)):  # CPU tensors, a wrong arity
+        with pytest.raises(RuntimeError, match="arguments the door does not serve"):
+            lib.door_put(program, *args)
+    assert lib.door_size() == 0
 
 
 def test_clearing_the_plan_cache_empties_the_door(monkeypatch):
@@ -326,6 +324,8 @@ def test_softmax_calls_are_served_through_the_door(gpu, lib, monkeypatch, op):
                 x = fresh(grad)
                 check(x, fn(x, -1), f"grad {grad} call {call}", grad)
             assert plans.DOOR is not None and lib.door_size() == 1 + grad
+            with pytest.raises(RuntimeError, match="a Program of 4 inputs for a call of 1 inputs"):
+                lib.door_put(_forward_program(lib, 64, 4096), fresh(False), -1, 0)  # (a norm's program)
             with monkeypatch.context() as m:  # from here on the Python path fails the test
                 m.setattr(distributed, "_softmax", lambda *a: pytest.fail("the call left the door"))
                 for call in range(3, 5):

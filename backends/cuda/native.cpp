@@ -487,6 +487,30 @@ PyObject* serve(const DoorEntry& e, bool train, const std::array<at::Tensor, 4>&
   return THPVariable_Wrap(std::move(y));
 }
 
+// the door's arguments (door's, below) -> the key, the tensors the entry takes (x, residual, weight,
+// bias; absent ones undefined) and how many, and whether a gradient is wanted (with grad mode as
+// given); false where the door does not serve them. One parser for the calls and the entries made.
+bool door_args(PyObject* const* args, Py_ssize_t n, bool grad_mode, std::vector<int64_t>& k,
+               std::array<at::Tensor, 4>& in, size_t& n_in, bool& train) {
+  if (n == 6) {
+    n_in = 4;
+    return norm_key(args, grad_mode, k, in, train);
+  }
+  if (n != 3) return false;
+  const at::Tensor* x = door_input(args[0]);
+  if (x == nullptr || !PyLong_CheckExact(args[1]) || !PyLong_CheckExact(args[2])) return false;
+  int overflow = 0;
+  long long dim = PyLong_AsLongLongAndOverflow(args[1], &overflow);
+  if (overflow != 0 || (dim != -1 && dim != x->dim() - 1)) return false;
+  long long op = PyLong_AsLongLongAndOverflow(args[2], &overflow);
+  if (overflow != 0 || (op != SOFTMAX && op != LOG_SOFTMAX)) return false;
+  train = grad_mode && x->requires_grad();
+  k = door_key(op, train, *x);
+  in[0] = *x;
+  n_in = 1;
+  return true;
+}
+
 // door(x, dim, op): softmax (op 0) / log_softmax (op 1); door(op, x, normalized_shape, weight, bias,
 // eps): layer_norm (op 2) / rms_norm (op 3). -> the op's output from a recorded plan, or None where
 // none serves the call as it is (the caller's Python path then serves it)
@@ -497,26 +521,12 @@ PyObject* door(PyObject*, PyObject* const* args, Py_ssize_t n) {
   std::vector<int64_t> k;
   std::array<at::Tensor, 4> in;
   bool train = false;
-  size_t n_in = 4;
-  if (n == 3) {
-    const at::Tensor* x = door_input(args[0]);
-    if (x == nullptr || !PyLong_CheckExact(args[1]) || !PyLong_CheckExact(args[2])) Py_RETURN_NONE;
-    int overflow = 0;
-    long long dim = PyLong_AsLongLongAndOverflow(args[1], &overflow);
-    if (overflow != 0 || (dim != -1 && dim != x->dim() - 1)) Py_RETURN_NONE;
-    long long op = PyLong_AsLongLongAndOverflow(args[2], &overflow);
-    if (overflow != 0 || (op != SOFTMAX && op != LOG_SOFTMAX)) Py_RETURN_NONE;
-    train = at::GradMode::is_enabled() && x->requires_grad();
-    k = door_key(op, train, *x);
-    in[0] = *x;
-    n_in = 1;
-  } else if (n != 6 || !norm_key(args, at::GradMode::is_enabled(), k, in, train)) {
-    Py_RETURN_NONE;
-  }
-  if (!door_quiet()) Py_RETURN_NONE;
+  size_t n_in = 0;
+  if (!door_args(args, n, at::GradMode::is_enabled(), k, in, n_in, train) || !door_quiet()) Py_RETURN_NONE;
   auto found = d.entries.find(k);
   if (found == d.entries.end()) Py_RETURN_NONE;
-  return serve(found->second, train, in, n_in);
+  DoorEntry entry = found->second;  // a copy: a replay that runs Python may change the map
+  return serve(entry, train, in, n_in);
   END_HANDLE_TH_ERRORS
 }
 
@@ -524,23 +534,31 @@ PyMethodDef door_def = {"door", reinterpret_cast<PyCFunction>(reinterpret_cast<v
                         "door(x, dim, op) (softmax 0, log_softmax 1) or door(op, x, normalized_shape, weight, "
                         "bias, eps) (layer_norm 2, rms_norm 3) -> the output from a recorded plan, or None"};
 
-void door_put(int64_t op, const at::Tensor& x, bool train, DoorEntry entry) {
-  TORCH_CHECK(x.is_cuda() && x.dim() > 0 && x.is_contiguous(), "normkit native: the door takes a contiguous "
-              "CUDA tensor of one or more dims");
-  door_state().entries[door_key(op, train, x)] = std::move(entry);
-}
-
-// a layer_norm / rms_norm entry, keyed by the recorded call's arguments as a call in grad mode (a
-// training spec) or not (an inference program) finds it
-void door_put_norm(py::args args, DoorEntry entry, size_t n_inputs, bool train) {
-  TORCH_CHECK(args.size() == 6, "normkit native: door_put_norm(op, x, normalized_shape, weight, bias, eps, made)");
-  std::array<PyObject*, 6> a;
-  for (size_t i = 0; i < 6; ++i) a[i] = args[i].ptr();
+// door_put(made, *args): `made` (a recorded inference Program, or a training Spec) serves the calls
+// door(*args) keys like these arguments, in grad mode for a Spec and not for a Program
+void door_put(py::object made, py::args args) {
+  std::vector<PyObject*> a;
+  for (auto arg : args) a.push_back(arg.ptr());
+  bool spec = py::isinstance<Spec>(made);
   std::vector<int64_t> k;
   std::array<at::Tensor, 4> in;
+  size_t n_in = 0;
   bool wanted = false;
-  TORCH_CHECK(n_inputs == 4 && norm_key(a.data(), train, k, in, wanted) && wanted == train,
-              "normkit native: a norm entry for arguments the door does not serve");
+  TORCH_CHECK(door_args(a.data(), static_cast<Py_ssize_t>(a.size()), spec, k, in, n_in, wanted) && wanted == spec,
+              "normkit native: an entry for arguments the door does not serve (a contiguous CUDA tensor of one "
+              "or more dims; the call's gradient wanted for a Spec, not for a Program)");
+  DoorEntry entry;
+  if (spec) {
+    entry.spec = made.cast<c10::intrusive_ptr<Spec>>();
+    TORCH_CHECK(entry.spec->forward->n_inputs == static_cast<int64_t>(n_in) && entry.spec->returned.size() == 1,
+                "normkit native: a Spec of ", entry.spec->forward->n_inputs, " inputs and ",
+                entry.spec->returned.size(), " returned outputs for a call of ", n_in, " inputs and one output");
+  } else {
+    entry.program = made.cast<c10::intrusive_ptr<Program>>();
+    TORCH_CHECK(entry.program->n_inputs == static_cast<int64_t>(n_in) && !entry.program->outputs.empty(),
+                "normkit native: a Program of ", entry.program->n_inputs, " inputs and ",
+                entry.program->outputs.size(), " outputs for a call of ", n_in, " inputs and an output");
+  }
   door_state().entries[k] = std::move(entry);
 }
 
@@ -604,23 +622,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     d.runtime = runtime.release().ptr();
     d.launch = launch.release().ptr();
   });
-  m.def("door_put_program", [](int64_t op, const at::Tensor& x, c10::intrusive_ptr<Program> p) {
-    TORCH_CHECK(p->n_inputs == 1 && p->outputs.size() == 1, "normkit native: the door serves one-tensor programs");
-    door_put(op, x, false, {p, {}});
-  });
-  m.def("door_put_spec", [](int64_t op, const at::Tensor& x, c10::intrusive_ptr<Spec> s) {
-    TORCH_CHECK(s->forward->n_inputs == 1 && s->returned.size() == 1, "normkit native: the door serves "
-                "one-tensor specs");
-    door_put(op, x, true, {{}, s});
-  });
-  m.def("door_put_norm_program", [](c10::intrusive_ptr<Program> p, py::args args) {
-    TORCH_CHECK(p->outputs.size() >= 1, "normkit native: a program without outputs");
-    door_put_norm(args, {p, {}}, static_cast<size_t>(p->n_inputs), false);
-  });
-  m.def("door_put_norm_spec", [](c10::intrusive_ptr<Spec> s, py::args args) {
-    TORCH_CHECK(s->returned.size() == 1, "normkit native: the door serves specs of one returned output");
-    door_put_norm(args, {{}, s}, static_cast<size_t>(s->forward->n_inputs), true);
-  });
+  m.def("door_put", &door_put);
   m.def("door_clear", [] { door_state().entries.clear(); });
   m.def("door_size", [] { return door_state().entries.size(); });
   m.add_object("door", py::reinterpret_steal<py::object>(PyCFunction_New(&door_def, nullptr)));

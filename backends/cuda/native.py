@@ -209,15 +209,13 @@ def _enter(door, args: tuple, made) -> None:
         lib.door_setup(launch.triton.knobs.runtime, launch)
         plans.DOOR_CLEAR, plans.DOOR = lib.door_clear, lib.door
     op, key = door
-    spec = isinstance(made, lib.Spec)
+    if op < DOOR_OPS["layer_norm"]:
+        call = (args[0], -1, op)  # door(x, dim, op): the plan's key is a last-dim call's
+    else:  # door(op, x, normalized_shape, weight, bias, eps); functional's key: (..., (shape, eps), ...)
+        normalized_shape, eps = key[6]
+        call = (op, args[0], normalized_shape, args[2], args[3], eps)
     try:
-        if op < DOOR_OPS["layer_norm"]:
-            (lib.door_put_spec if spec else lib.door_put_program)(op, args[0], made)
-            return
-        normalized_shape, eps = key[6]  # functional's key: (..., (normalized_shape, eps), overrides, train)
-        x, _, weight, bias = args
-        put = lib.door_put_norm_spec if spec else lib.door_put_norm_program
-        put(made, op, x, normalized_shape, weight, bias, eps)
+        lib.door_put(made, *call)
     except RuntimeError:  # a call the door does not serve (native.cpp checks): the plan's path serves it
         pass
 

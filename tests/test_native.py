@@ -256,6 +256,31 @@ def test_inference_calls_replay_from_cpp(gpu, monkeypatch, op, M, N):
                 _close(h, want_h, torch.bfloat16, f"call {call} h")
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_native_checks_raise_with_their_figures(lib, device):
+    # every failed check of native.cpp raises RuntimeError with its numbers, in a GPU process too (a
+    # TORCH_CHECK of several message parts crashed the process on the H100 machine's torch 2.11)
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+    program = _forward_program(lib, 4, 8)
+    with pytest.raises(RuntimeError, match="program of 4 inputs given 1"):
+        program([x])
+    with pytest.raises(RuntimeError, match="returned output 4 of 4"):
+        lib.spec(program, [4], [0], [torch.float32], Slow())
+    with pytest.raises(RuntimeError, match="saved tensor 4 of 4 inputs and 4 outputs"):
+        lib.spec(program, [0], [4], [torch.float32], Slow())
+    dtypes = [torch.float32, torch.float32]
+    spec = lib.spec(program, [0], [0, 2, -3, -4], dtypes, lambda grads, saved: [grads[0]])
+    with pytest.raises(RuntimeError, match="of 4 inputs for 2 gradients and 4 saved tensors"):
+        spec.set_backward(0, program)
+    with pytest.raises(RuntimeError, match="at most 5 inputs"):
+        lib.apply(spec, [x, None, None, None, None, None])
+    (y,) = lib.apply(spec, [x, None, None, None])
+    with pytest.raises(RuntimeError, match="gave 1 gradients for 4 inputs"):
+        y.backward(torch.ones_like(y))
+
+
 # --- the door: softmax / log_softmax served by one C++ call (native.cpp's door) --------------------
 
 

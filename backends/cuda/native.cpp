@@ -38,6 +38,8 @@
 #include <dlfcn.h>
 
 #include <array>
+#include <cstdarg>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -52,6 +54,23 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 namespace {
+
+// A failed check, raised as RuntimeError with a printf-style message handed to libc10 as a C string.
+// (TORCH_CHECK with a message of several parts builds it as a std::string in this library: on the
+// H100 machine's torch 2.11.0+cu130 with GCC 13.3 such a check crashed the process, a segfault,
+// instead of raising; one C-string part raises. Every check here goes through this.)
+[[noreturn]] __attribute__((format(printf, 1, 2))) void fail(const char* format, ...) {
+  char message[512];
+  va_list args;
+  va_start(args, format);
+  std::vsnprintf(message, sizeof message, format, args);
+  va_end(args);
+  TORCH_CHECK(false, static_cast<const char*>(message));
+}
+#define NK_CHECK(cond, ...) \
+  do {                      \
+    if (!(cond)) fail(__VA_ARGS__); \
+  } while (0)
 
 // --- the driver: three entry points of libcuda, found at run time ---------------------------------
 using LaunchFn = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*,
@@ -70,20 +89,20 @@ const Driver& driver() {
     Driver out;
     void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
     if (lib == nullptr) lib = dlopen("libcuda.so.1", RTLD_NOW);
-    TORCH_CHECK(lib != nullptr, "normkit native: libcuda.so.1 is not loadable: ", dlerror());
+    NK_CHECK(lib != nullptr, "normkit native: libcuda.so.1 is not loadable: %s", dlerror());
     out.launch = reinterpret_cast<LaunchFn>(dlsym(lib, "cuLaunchKernel"));
     out.param_info = reinterpret_cast<ParamInfoFn>(dlsym(lib, "cuFuncGetParamInfo"));
     out.error = reinterpret_cast<ErrorFn>(dlsym(lib, "cuGetErrorString"));
-    TORCH_CHECK(out.launch != nullptr, "normkit native: libcuda has no cuLaunchKernel");
+    NK_CHECK(out.launch != nullptr, "normkit native: libcuda has no cuLaunchKernel");
     return out;
   }();
   return d;
 }
 
-std::string driver_error(int code) {
+const char* driver_error(int code) {
   const char* text = nullptr;
   if (driver().error != nullptr) driver().error(code, &text);
-  return std::to_string(code) + " (" + (text ? text : "unknown") + ")";
+  return text != nullptr ? text : "unknown";
 }
 
 // --- programs ------------------------------------------------------------------------------------
@@ -120,8 +139,8 @@ struct Program : torch::CustomClassHolder {
   std::vector<int64_t> outputs;  // slot of each output, -1: None
 
   std::vector<at::Tensor> run(std::vector<at::Tensor> slots) const {
-    TORCH_CHECK(static_cast<int64_t>(slots.size()) == n_inputs, "normkit native: program of ", n_inputs,
-                " inputs given ", slots.size());
+    NK_CHECK(static_cast<int64_t>(slots.size()) == n_inputs, "normkit native: program of %lld inputs given %zu",
+             static_cast<long long>(n_inputs), slots.size());
     const at::Tensor first = slots[0];  // a copy: the resize below moves the slots
     c10::Device device = first.device();
     c10::impl::VirtualGuardImpl impl(device.type());
@@ -158,7 +177,7 @@ struct Program : torch::CustomClassHolder {
       }
       int rc = driver().launch(l.function, l.grid[0], l.grid[1], l.grid[2], l.threads, 1, 1, l.shared, stream,
                                pointers.data(), nullptr);
-      TORCH_CHECK(rc == 0, "normkit native: cuLaunchKernel failed: ", driver_error(rc));
+      NK_CHECK(rc == 0, "normkit native: cuLaunchKernel failed: %d (%s)", rc, driver_error(rc));
     }
     std::vector<at::Tensor> out;
     out.reserve(outputs.size());
@@ -184,7 +203,7 @@ c10::intrusive_ptr<Program> make_program(int64_t n_inputs, int64_t n_slots, py::
     Launch l;
     l.function = reinterpret_cast<void*>(t[0].cast<uint64_t>());
     auto g = t[1].cast<std::vector<int64_t>>();
-    TORCH_CHECK(g.size() == 3, "normkit native: a grid has 3 entries");
+    NK_CHECK(g.size() == 3, "normkit native: a grid has 3 entries");
     l.grid = {static_cast<unsigned>(g[0]), static_cast<unsigned>(g[1]), static_cast<unsigned>(g[2])};
     l.threads = t[2].cast<unsigned>();
     l.shared = t[3].cast<unsigned>();
@@ -194,23 +213,23 @@ c10::intrusive_ptr<Program> make_program(int64_t n_inputs, int64_t n_slots, py::
     }
     // the cubin's own parameter list: ours must match it; trailing 8-byte ones (Triton's scratch
     // pointers) get NULL
-    TORCH_CHECK(driver().param_info != nullptr, "normkit native: the driver has no cuFuncGetParamInfo");
+    NK_CHECK(driver().param_info != nullptr, "normkit native: the driver has no cuFuncGetParamInfo");
     size_t offset = 0, size = 0, end = 0;
     for (size_t i = 0;; ++i) {
       int rc = driver().param_info(l.function, i, &offset, &size);
       if (rc != 0) {
-        TORCH_CHECK(i >= l.params.size(), "normkit native: the kernel has ", i, " parameters, the plan ",
-                    l.params.size());
+        NK_CHECK(i >= l.params.size(), "normkit native: the kernel has %zu parameters, the plan %zu", i,
+                 l.params.size());
         break;
       }
       if (i >= l.params.size()) {
-        TORCH_CHECK(size == 8 && i < l.params.size() + 4, "normkit native: unexpected kernel parameter ", i,
-                    " of ", size, " bytes");
+        NK_CHECK(size == 8 && i < l.params.size() + 4, "normkit native: unexpected kernel parameter %zu of %zu bytes",
+                 i, size);
         l.params.push_back({NUL, 0, 0, 0.0});
       }
-      TORCH_CHECK(param_size(l.params[i].kind) == size, "normkit native: kernel parameter ", i, " is ", size,
-                  " bytes, the plan's ", param_size(l.params[i].kind));
-      TORCH_CHECK(offset >= end, "normkit native: kernel parameters out of order");
+      NK_CHECK(param_size(l.params[i].kind) == size, "normkit native: kernel parameter %zu is %zu bytes, the plan's %zu",
+               i, size, static_cast<size_t>(param_size(l.params[i].kind)));
+      NK_CHECK(offset >= end, "normkit native: kernel parameters out of order");
       end = offset + size;
     }
     p->launches.push_back(std::move(l));
@@ -297,8 +316,8 @@ struct Node : public torch::autograd::Function<Node> {
       py::object out = py::reinterpret_borrow<py::object>(spec->slow)(g, s);
       for (auto item : out) result.push_back(item.is_none() ? at::Tensor() : item.cast<at::Tensor>());
     }
-    TORCH_CHECK(result.size() == n_in, "normkit native: the backward gave ", result.size(), " gradients for ", n_in,
-                " inputs");
+    NK_CHECK(result.size() == n_in, "normkit native: the backward gave %zu gradients for %zu inputs", result.size(),
+             n_in);
     variable_list out(1 + kMaxInputs);  // the spec's, then one per input slot (undefined past n_in)
     for (size_t i = 0; i < n_in; ++i) {
       at::Tensor g = result[i];
@@ -534,31 +553,22 @@ PyMethodDef door_def = {"door", reinterpret_cast<PyCFunction>(reinterpret_cast<v
                         "door(x, dim, op) (softmax 0, log_softmax 1) or door(op, x, normalized_shape, weight, "
                         "bias, eps) (layer_norm 2, rms_norm 3) -> the output from a recorded plan, or None"};
 
-// door_put(made, *args): `made` (a recorded inference Program, or a training Spec) serves the calls
-// door(*args) keys like these arguments, in grad mode for a Spec and not for a Program
-void door_put(py::object made, py::args args) {
+// door_put(made, *args): `made` (a recorded inference Program, or a training Spec of `n_inputs` inputs)
+// serves the calls door(*args) keys like these arguments, in grad mode for a Spec and not for a Program
+void door_put(DoorEntry entry, int64_t n_inputs, bool one_output, const py::args& args) {
   std::vector<PyObject*> a;
   for (auto arg : args) a.push_back(arg.ptr());
-  bool spec = py::isinstance<Spec>(made);
+  bool spec = static_cast<bool>(entry.spec);
   std::vector<int64_t> k;
   std::array<at::Tensor, 4> in;
   size_t n_in = 0;
   bool wanted = false;
-  TORCH_CHECK(door_args(a.data(), static_cast<Py_ssize_t>(a.size()), spec, k, in, n_in, wanted) && wanted == spec,
+  NK_CHECK(door_args(a.data(), static_cast<Py_ssize_t>(a.size()), spec, k, in, n_in, wanted) && wanted == spec,
               "normkit native: an entry for arguments the door does not serve (a contiguous CUDA tensor of one "
               "or more dims; the call's gradient wanted for a Spec, not for a Program)");
-  DoorEntry entry;
-  if (spec) {
-    entry.spec = made.cast<c10::intrusive_ptr<Spec>>();
-    TORCH_CHECK(entry.spec->forward->n_inputs == static_cast<int64_t>(n_in) && entry.spec->returned.size() == 1,
-                "normkit native: a Spec of ", entry.spec->forward->n_inputs, " inputs and ",
-                entry.spec->returned.size(), " returned outputs for a call of ", n_in, " inputs and one output");
-  } else {
-    entry.program = made.cast<c10::intrusive_ptr<Program>>();
-    TORCH_CHECK(entry.program->n_inputs == static_cast<int64_t>(n_in) && !entry.program->outputs.empty(),
-                "normkit native: a Program of ", entry.program->n_inputs, " inputs and ",
-                entry.program->outputs.size(), " outputs for a call of ", n_in, " inputs and an output");
-  }
+  NK_CHECK(n_inputs == static_cast<int64_t>(n_in) && one_output,
+           "normkit native: a %s of %lld inputs for a call of %zu inputs (and one output)", spec ? "Spec" : "Program",
+           static_cast<long long>(n_inputs), n_in);
   door_state().entries[k] = std::move(entry);
 }
 
@@ -576,23 +586,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Spec, c10::intrusive_ptr<Spec>>(m, "Spec")
       .def("set_backward", [](Spec& s, int64_t variant, c10::intrusive_ptr<Program> p) {
         // its inputs: the incoming gradients, then the saved tensors; its outputs: one per forward input
-        TORCH_CHECK(p->n_inputs == static_cast<int64_t>(s.grad_dtypes.size() + s.saved.size()),
-                    "normkit native: a backward program of ", p->n_inputs, " inputs for ", s.grad_dtypes.size(),
-                    " gradients and ", s.saved.size(), " saved tensors");
-        TORCH_CHECK(p->outputs.size() == static_cast<size_t>(s.forward->n_inputs), "normkit native: a backward ",
-                    "program of ", p->outputs.size(), " outputs for ", s.forward->n_inputs, " inputs");
+        NK_CHECK(p->n_inputs == static_cast<int64_t>(s.grad_dtypes.size() + s.saved.size()),
+                 "normkit native: a backward program of %lld inputs for %zu gradients and %zu saved tensors",
+                 static_cast<long long>(p->n_inputs), s.grad_dtypes.size(), s.saved.size());
+        NK_CHECK(p->outputs.size() == static_cast<size_t>(s.forward->n_inputs),
+                 "normkit native: a backward program of %zu outputs for %lld inputs", p->outputs.size(),
+                 static_cast<long long>(s.forward->n_inputs));
         std::lock_guard<std::mutex> hold(s.lock);
         s.backward.at(variant) = p;
       });
   m.def("spec", [](c10::intrusive_ptr<Program> forward, std::vector<int64_t> returned, std::vector<int64_t> saved,
                    py::list grad_dtypes, py::object slow) {
-    TORCH_CHECK(forward->n_inputs <= static_cast<int64_t>(kMaxInputs), "normkit native: at most ", kMaxInputs,
-                " inputs");
+    NK_CHECK(forward->n_inputs <= static_cast<int64_t>(kMaxInputs), "normkit native: at most %zu inputs",
+             static_cast<size_t>(kMaxInputs));
     auto n_out = static_cast<int64_t>(forward->outputs.size());
-    for (int64_t r : returned) TORCH_CHECK(0 <= r && r < n_out, "normkit native: returned output ", r, " of ", n_out);
+    for (int64_t r : returned) {
+      NK_CHECK(0 <= r && r < n_out, "normkit native: returned output %lld of %lld", static_cast<long long>(r),
+               static_cast<long long>(n_out));
+    }
     for (int64_t v : saved) {
-      TORCH_CHECK(v >= 0 ? v < forward->n_inputs : -1 - v < n_out, "normkit native: saved tensor ", v, " of ",
-                  forward->n_inputs, " inputs and ", n_out, " outputs");
+      NK_CHECK(v >= 0 ? v < forward->n_inputs : -1 - v < n_out,
+               "normkit native: saved tensor %lld of %lld inputs and %lld outputs", static_cast<long long>(v),
+               static_cast<long long>(forward->n_inputs), static_cast<long long>(n_out));
     }
     auto s = c10::make_intrusive<Spec>();
     s->forward = forward;
@@ -604,7 +619,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return s;
   });
   m.def("apply", [](c10::intrusive_ptr<Spec> spec, std::vector<Opt> inputs) {
-    TORCH_CHECK(inputs.size() <= kMaxInputs, "normkit native: at most ", kMaxInputs, " inputs");
+    NK_CHECK(inputs.size() <= kMaxInputs, "normkit native: at most %zu inputs", static_cast<size_t>(kMaxInputs));
     inputs.resize(kMaxInputs);
     return Node::apply(spec, inputs[0], inputs[1], inputs[2], inputs[3], inputs[4]);
   });
@@ -622,7 +637,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     d.runtime = runtime.release().ptr();
     d.launch = launch.release().ptr();
   });
-  m.def("door_put", &door_put);
+  m.def("door_put", [](c10::intrusive_ptr<Program> p, const py::args& args) {
+    door_put({p, {}}, p->n_inputs, !p->outputs.empty(), args);
+  });
+  m.def("door_put", [](c10::intrusive_ptr<Spec> s, const py::args& args) {
+    door_put({{}, s}, s->forward->n_inputs, s->returned.size() == 1, args);
+  });
   m.def("door_clear", [] { door_state().entries.clear(); });
   m.def("door_size", [] { return door_state().entries.size(); });
   m.add_object("door", py::reinterpret_steal<py::object>(PyCFunction_New(&door_def, nullptr)));

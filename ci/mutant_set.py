@@ -79,6 +79,10 @@ MUTANTS = [
            "const float v = C::load(dyc[s]) * a - (C::load(xc[s]) - mean) * k1;",
            ("tests/test_cpu.py", *_k("16bit_group_norm_routes", "native", "8x64x7x7", "none")),
            what="the native CPU GroupNorm's dx without its mean term"),
+    Mutant("native-cpu-door-rms-eps-of-fp32", "normkit/native_cpu.cpp", "",
+           "  if (eps || !half(x)) return eps;", "  return eps;",
+           ("tests/test_cpu_door.py", *_k("serves_the_python_paths", "bfloat16", "inference")),
+           what="the CPU door's rms_norm of a 16-bit input, eps None: fp32's epsilon (torch's kernel's)"),
     # --- the CPU path (torch's operators) -------------------------------------------------------------
     Mutant("cpu-serves-nothing", "normkit/cpu.py", "serves",
            "return type(input) is torch.Tensor and input.is_cpu and not dispatch._IN_OVERRIDE[0]",

@@ -347,12 +347,14 @@ def add_bench_parser(sub):
 
 def cmd_native(args) -> int:
     """Compile the native extensions (normkit/native.py) that are not there: the CUDA plans' host
-    path and CPU 16-bit LayerNorm / GroupNorm training. Needs no Triton and no GPU."""
+    path, and the CPU calls' door and 16-bit LayerNorm / GroupNorm training. Needs no Triton and no
+    GPU."""
     import time
 
     from normkit import native
 
-    uses = {"cuda": "the CUDA plans' launches", "cpu": "CPU 16-bit LayerNorm / GroupNorm training"}
+    uses = {"cuda": "the CUDA plans' launches",
+            "cpu": "CPU calls (the door; 16-bit LayerNorm / GroupNorm training)"}
     failed = False
     for kind in native.KINDS:
         start = time.perf_counter()
@@ -387,8 +389,9 @@ def main(argv=None) -> int:
     check.set_defaults(fn=cmd_check)
     add_bench_parser(sub)
     native = sub.add_parser("native", help="compile normkit's C++ extensions: CUDA calls' host path, CPU "
-                                           "16-bit LayerNorm / GroupNorm training (about a minute, once per "
-                                           "torch: a C++ compiler and ninja; docs/performance.md)")
+                                           "calls' door and 16-bit LayerNorm / GroupNorm training (about a "
+                                           "minute, once per torch: a C++ compiler and ninja; "
+                                           "docs/performance.md)")
     native.set_defaults(fn=cmd_native)
     args = parser.parse_args(argv)
     return args.fn(args)

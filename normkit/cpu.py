@@ -168,6 +168,21 @@ def _native_op(name: str):
     return op
 
 
+def _arm_door(*args):
+    """:data:`DOOR` until its first call: the native extension's door, or None where it is not built
+    (or is turned off), looked up once; this call goes through it."""
+    global DOOR
+    DOOR = _native_op("door")
+    return None if DOOR is None else DOOR(*args)
+
+
+# The native CPU extension's door (native_cpu.cpp): normkit's public functions call it first with a
+# CPU call (`DOOR(op, x, ...)`, the ops of native_cpu.cpp's CpuOp); it runs the torch operator this
+# module's first route would, checked in C++ (~1-2 us less a 1x8 call), or answers None (then this
+# module's Python serves the call). None where the extension is not there.
+DOOR = _arm_door
+
+
 def _native_layer_norm():
     """The native extension's 16-bit CPU LayerNorm with gradients, or None."""
     return _native_op("cpu_layer_norm")
@@ -271,8 +286,8 @@ def add_norm(x, residual, normalized_shape, weight, bias, eps, dropout_p, seed, 
             if not is_rms:
                 y = None if eps is None else _layer_norm(h, shape, weight, bias, eps)
             elif weight is None or weight.dtype is x.dtype:  # (eps None: finfo(x.dtype).eps, as rms_norm)
-                y = torch.rms_norm(h, shape, weight, torch.finfo(x.dtype).eps if eps is None and x.dtype in _HALF
-                                   else eps)  # fmt: skip
+                half_eps = eps is None and x.dtype in _HALF
+                y = torch.rms_norm(h, shape, weight, torch.finfo(x.dtype).eps if half_eps else eps)
             else:
                 y = rms_norm(h, normalized_shape, weight, eps)
         except ERRORS:

@@ -56,6 +56,7 @@ from normkit.errors import InvalidArgument
 
 _compiling = torch.compiler.is_compiling  # (bound once: checked on every softmax call)
 _FLOAT32, _INF = torch.float32, float("inf")  # (the CPU fast paths' checks)
+_grad_enabled = torch.is_grad_enabled
 
 __all__ = [
     "layer_norm",
@@ -294,11 +295,14 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     if (door := plans.DOOR) is not None and not dispatch._IN_OVERRIDE[0] and not _compiling() \
             and (y := door(2, input, normalized_shape, weight, bias, eps)) is not None:
         return y  # a CUDA call that a recorded plan serves: the backend's door (plans.DOOR)
+    if (door := cpu.DOOR) is not None and not dispatch._IN_OVERRIDE[0] and not _compiling() \
+            and (y := door(2, input, normalized_shape, weight, bias, eps)) is not None:
+        return y  # a CPU call served by its torch operator from C++ (cpu.DOOR)
     if (type(input) is Tensor and input.is_cpu and not dispatch._IN_OVERRIDE[0] and type(eps) is float
             and 0 <= eps < _INF and input.dtype.is_floating_point and input.numel()):  # fmt: skip
         try:  # the CPU call: cpu.layer_norm inlined (a 1x8 call is ~5 us in torch)
             shape = (normalized_shape,) if type(normalized_shape) is int else normalized_shape
-            if input.dtype is _FLOAT32:
+            if input.dtype is _FLOAT32 or not _grad_enabled():  # (cpu._layer_norm's torch.layer_norm)
                 return torch.layer_norm(input, shape, weight, bias, eps)
             return cpu._layer_norm(input, shape, weight, bias, eps)
         except cpu.ERRORS:
@@ -315,6 +319,9 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):
     if (door := plans.DOOR) is not None and not dispatch._IN_OVERRIDE[0] and not _compiling() \
             and (y := door(3, input, normalized_shape, weight, None, eps)) is not None:
         return y  # (as layer_norm)
+    if (door := cpu.DOOR) is not None and not dispatch._IN_OVERRIDE[0] and not _compiling() \
+            and (y := door(3, input, normalized_shape, weight, eps)) is not None:
+        return y  # (as layer_norm)
     if cpu.serves(input) and (y := cpu.rms_norm(input, normalized_shape, weight, eps)) is not None:
         return y
     if _plain(input, weight):
@@ -330,6 +337,9 @@ def softmax(input, dim=None, _stacklevel=3, dtype=None):
     if (door := plans.DOOR) is not None and dtype is None and not dispatch._IN_OVERRIDE[0] \
             and type(_stacklevel) is int and not _compiling() and (y := door(input, dim, 0)) is not None:
         return y
+    if (door := cpu.DOOR) is not None and dtype is None and not dispatch._IN_OVERRIDE[0] \
+            and type(_stacklevel) is int and not _compiling() and (y := door(0, input, dim)) is not None:
+        return y  # a CPU call served by its torch operator from C++ (cpu.DOOR)
     if (type(input) is Tensor and type(dim) is int and dtype is None and type(_stacklevel) is int
             and input.is_cpu and input.dtype.is_floating_point and not dispatch._IN_OVERRIDE[0]):  # fmt: skip
         try:  # the common CPU call: _softmax's first branch inlined (a 1x8 call is ~1.5 us in torch)
@@ -343,6 +353,9 @@ def log_softmax(input, dim=None, _stacklevel=3, dtype=None):
     """:func:`normkit.functional.log_softmax`, also on DTensors not sharded along ``dim``."""
     if (door := plans.DOOR) is not None and dtype is None and not dispatch._IN_OVERRIDE[0] \
             and type(_stacklevel) is int and not _compiling() and (y := door(input, dim, 1)) is not None:
+        return y  # (as softmax)
+    if (door := cpu.DOOR) is not None and dtype is None and not dispatch._IN_OVERRIDE[0] \
+            and type(_stacklevel) is int and not _compiling() and (y := door(1, input, dim)) is not None:
         return y  # (as softmax)
     if (type(input) is Tensor and type(dim) is int and dtype is None and type(_stacklevel) is int
             and input.is_cpu and input.dtype.is_floating_point and not dispatch._IN_OVERRIDE[0]):  # fmt: skip
@@ -408,13 +421,18 @@ def _add_norm(op, fn, x, residual, normalized_shape, params, dropout_p, seed, **
 def add_layer_norm(x, residual, normalized_shape, weight=None, bias=None, eps=1e-5, dropout_p=0.0,
                    seed=None, residual_dtype=None, prenorm=False):  # fmt: skip
     """:func:`normkit.functional.add_layer_norm`, also on DTensors (see :mod:`normkit.distributed`)."""
+    if (door := cpu.DOOR) is not None and type(dropout_p) is float and dropout_p == 0 and seed is None \
+            and residual_dtype is None and prenorm is False and not dispatch._IN_OVERRIDE[0] \
+            and not _compiling() and (y := door(4, x, residual, normalized_shape, weight, bias,
+                                                eps)) is not None:  # fmt: skip
+        return y  # a CPU call served by torch's operators from C++ (cpu.DOOR)
     if (type(x) is Tensor and x.is_cpu and type(residual) is Tensor and residual.dtype is x.dtype
             and type(dropout_p) is float and dropout_p == 0 and seed is None and residual_dtype is None
             and prenorm is False and type(eps) is float and 0 <= eps < _INF and not dispatch._IN_OVERRIDE[0]
             and x.dtype.is_floating_point and residual.shape == x.shape and x.numel()):  # fmt: skip
         try:  # the common CPU call: cpu.add_norm's first route inlined (a 1x8 call is ~7 us in torch)
             shape = (normalized_shape,) if type(normalized_shape) is int else normalized_shape
-            if x.dtype is _FLOAT32:
+            if x.dtype is _FLOAT32 or not _grad_enabled():  # (as layer_norm)
                 return torch.layer_norm(x + residual, shape, weight, bias, eps)
             return cpu._layer_norm(x + residual, shape, weight, bias, eps)
         except cpu.ERRORS:
@@ -432,6 +450,10 @@ def add_layer_norm(x, residual, normalized_shape, weight=None, bias=None, eps=1e
 def add_rms_norm(x, residual, normalized_shape, weight=None, eps=None, dropout_p=0.0, seed=None,
                  residual_dtype=None, prenorm=False):  # fmt: skip
     """:func:`normkit.functional.add_rms_norm`, also on DTensors (see :mod:`normkit.distributed`)."""
+    if (door := cpu.DOOR) is not None and type(dropout_p) is float and dropout_p == 0 and seed is None \
+            and residual_dtype is None and prenorm is False and not dispatch._IN_OVERRIDE[0] \
+            and not _compiling() and (y := door(5, x, residual, normalized_shape, weight, eps)) is not None:
+        return y  # (as add_layer_norm)
     if cpu.serves(x):
         out = cpu.add_norm(x, residual, normalized_shape, weight, None, eps, dropout_p, seed, residual_dtype,
                            prenorm, True)  # fmt: skip
@@ -485,6 +507,10 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
     """:func:`normkit.functional.batch_norm`, also on replicated DTensors (and, in eval mode, on
     DTensors not sharded along channels): batch statistics of a sharded batch would need a
     cross-rank all-reduce, which normkit does not do (torch.nn.SyncBatchNorm does)."""
+    if (door := cpu.DOOR) is not None and not dispatch._IN_OVERRIDE[0] and not _compiling() \
+            and (y := door(6, input, running_mean, running_var, weight, bias, training, momentum,
+                           eps)) is not None:  # fmt: skip
+        return y  # a CPU call served by its torch operator from C++ (cpu.DOOR)
     if cpu.serves(input) and (y := cpu.batch_norm(input, running_mean, running_var, weight, bias,
                                                   training, momentum, eps)) is not None:  # fmt: skip
         return y

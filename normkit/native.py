@@ -2,9 +2,10 @@
 
 Two extensions: the CUDA plans' host path (``kind="cuda"``: backends/cuda/native.cpp, used by
 backends/cuda/native.py: a plan's launches replayed from C++, its training step a C++ autograd node)
-and CPU LayerNorm and GroupNorm of 16-bit inputs with gradients as one C++ operator each way
-(``kind="cpu"``: normkit/native_cpu.cpp, used by normkit/cpu.py). Both are optional: without them
-the same calls run in Python and on torch's operators, with the same results.
+and the CPU calls' (``kind="cpu"``: normkit/native_cpu.cpp, used by normkit/cpu.py): the door, which
+checks a common CPU call in C++ and runs the torch operator normkit.cpu would (``cpu.DOOR``), and
+LayerNorm and GroupNorm of 16-bit inputs with gradients as one C++ operator each way. Both are
+optional: without them the same calls run in Python and on torch's operators, with the same results.
 
 Each is compiled once per torch / Python / source (30-60 s; a C++ compiler and ninja, no CUDA toolkit:
 the driver is looked up at run time) into ``$NORMKIT_NATIVE_DIR`` (default

@@ -22,6 +22,10 @@
 
 #include <torch/extension.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/Size.h>
+#include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/Parallel.h>
 
 #include <c10/util/accumulate.h>
@@ -29,6 +33,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -611,6 +616,173 @@ struct CpuHalfGroupNorm : public torch::autograd::Function<CpuHalfGroupNorm> {
     return {dx, dw, db, at::Tensor(), at::Tensor()};
   }
 };
+
+// --- the door: the common CPU calls from one C++ call ---------------------------------------------
+// normkit's public functions try door(op, ...) first on the CPU (normkit/cpu.py, DOOR): the calls whose
+// Python path would call one torch operator as it is (normkit/cpu.py's first routes), checked here and
+// run by that operator, without the Python checks. Anything else, and any error of the operator,
+// answers None: the Python path serves it (and words the error).
+enum CpuOp : long long {
+  SOFTMAX = 0, LOG_SOFTMAX = 1, LAYER_NORM = 2, RMS_NORM = 3, ADD_LAYER_NORM = 4, ADD_RMS_NORM = 5,
+  BATCH_NORM = 6
+};
+
+// x: an exact torch.Tensor (`parameter`: or an nn.Parameter) on the CPU, or nullptr
+const at::Tensor* cpu_tensor(PyObject* o, bool parameter = false) {
+  PyTypeObject* type = Py_TYPE(o);
+  if (type != reinterpret_cast<PyTypeObject*>(THPVariableClass) &&
+      !(parameter && type == reinterpret_cast<PyTypeObject*>(ParameterClass))) {
+    return nullptr;
+  }
+  const at::Tensor& t = THPVariable_Unpack(o);
+  return t.device().is_cpu() ? &t : nullptr;
+}
+
+// None or a CPU Tensor / Parameter (of `dtype` where it is given)
+bool cpu_param(PyObject* o, Opt& out, std::optional<at::ScalarType> dtype = std::nullopt) {
+  if (o == Py_None) return true;
+  const at::Tensor* t = cpu_tensor(o, true);
+  if (t == nullptr || (dtype && t->scalar_type() != *dtype)) return false;
+  out = *t;
+  return true;
+}
+
+// normalized_shape: an int, or a tuple / torch.Size / list of ints
+bool int_list(PyObject* o, std::vector<int64_t>& out) {
+  int overflow = 0;
+  if (PyLong_CheckExact(o)) {
+    out.push_back(PyLong_AsLongLongAndOverflow(o, &overflow));
+    return overflow == 0;
+  }
+  if (!(PyTuple_CheckExact(o) || THPSize_Check(o) || PyList_CheckExact(o))) return false;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(o);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* d = PySequence_Fast_GET_ITEM(o, i);
+    if (!PyLong_CheckExact(d)) return false;
+    out.push_back(PyLong_AsLongLongAndOverflow(d, &overflow));
+    if (overflow != 0) return false;
+  }
+  return true;
+}
+
+// eps: a float in [0, inf) (`positive`: (0, inf)); None where `none_ok` (out stays empty)
+bool eps_of(PyObject* o, std::optional<double>& out, bool none_ok = false, bool positive = false) {
+  if (o == Py_None) return none_ok;
+  if (!PyFloat_CheckExact(o)) return false;
+  double v = PyFloat_AS_DOUBLE(o);
+  if (!(positive ? v > 0 : v >= 0) || !(v < std::numeric_limits<double>::infinity())) return false;
+  out = v;
+  return true;
+}
+
+bool half(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf; }
+
+// a gradient wanted through any of these
+bool differentiated(std::initializer_list<const at::Tensor*> ts, const Opt& w = {}, const Opt& b = {}) {
+  if (!at::GradMode::is_enabled()) return false;
+  for (const at::Tensor* t : ts) {
+    if (t->requires_grad()) return true;
+  }
+  return (w && w->requires_grad()) || (b && b->requires_grad());
+}
+
+// rms_norm's eps None: the input dtype's epsilon, passed explicitly for 16-bit inputs (torch's CPU
+// kernel takes its math dtype's, fp32's, there); fp32 / fp64 keep None, torch's faster route
+std::optional<double> rms_eps(const at::Tensor& x, std::optional<double> eps) {
+  if (eps || !half(x)) return eps;
+  return x.scalar_type() == at::kBFloat16 ? 0.0078125 : 0.0009765625;
+}
+
+// f() (the operator) without the GIL from 32768 elements, as torch's bindings run their operators
+template <class F>
+at::Tensor run(const at::Tensor& x, F f) {
+  if (x.numel() < (1 << 15)) return f();
+  py::gil_scoped_release no_gil;
+  return f();
+}
+
+// the operator's output, or nullopt where the door does not serve the call
+std::optional<at::Tensor> cpu_call(PyObject* const* a, Py_ssize_t n) {
+  int overflow = 0;
+  long long op = n > 0 && PyLong_CheckExact(a[0]) ? PyLong_AsLongLongAndOverflow(a[0], &overflow) : -1;
+  const at::Tensor* x = n > 1 ? cpu_tensor(a[1]) : nullptr;
+  if (overflow != 0 || x == nullptr || !at::isFloatingType(x->scalar_type())) return std::nullopt;
+  if (at::impl::torch_function_mode_enabled()) return std::nullopt;  // (torch's ops would see the mode)
+  std::vector<int64_t> shape;
+  std::optional<double> eps;
+  Opt w, b;
+  switch (op) {
+    case SOFTMAX:
+    case LOG_SOFTMAX: {  // (op, x, dim)
+      if (n != 3 || !PyLong_CheckExact(a[2])) return std::nullopt;
+      int64_t dim = PyLong_AsLongLongAndOverflow(a[2], &overflow);
+      if (overflow != 0) return std::nullopt;
+      return run(*x, [&] { return op == SOFTMAX ? at::softmax(*x, dim) : at::log_softmax(*x, dim); });
+    }
+    case LAYER_NORM:  // (op, x, normalized_shape, weight, bias, eps)
+      if (n != 6 || x->numel() == 0 || !int_list(a[2], shape) || !cpu_param(a[3], w) || !cpu_param(a[4], b) ||
+          !eps_of(a[5], eps) || (half(*x) && differentiated({x}, w, b))) {
+        return std::nullopt;  // (a 16-bit input with gradients: normkit/cpu.py's routes)
+      }
+      return run(*x, [&] { return at::layer_norm(*x, shape, w, b, *eps); });
+    case RMS_NORM:  // (op, x, normalized_shape, weight, eps)
+      if (n != 5 || x->numel() == 0 || !int_list(a[2], shape) || !cpu_param(a[3], w, x->scalar_type()) ||
+          !eps_of(a[4], eps, true)) {
+        return std::nullopt;  // (a weight of another dtype: normkit/cpu.py's routes)
+      }
+      return run(*x, [&] { return at::rms_norm(*x, shape, w, rms_eps(*x, eps)); });
+    case ADD_LAYER_NORM:  // (op, x, residual, normalized_shape, weight, bias, eps)
+    case ADD_RMS_NORM: {  // (op, x, residual, normalized_shape, weight, eps)
+      bool rms = op == ADD_RMS_NORM;
+      const at::Tensor* r = n > 2 ? cpu_tensor(a[2]) : nullptr;
+      if (n != (rms ? 6 : 7) || r == nullptr || r->scalar_type() != x->scalar_type() || r->sizes() != x->sizes() ||
+          x->numel() == 0 || !int_list(a[3], shape)) {
+        return std::nullopt;
+      }
+      if (rms) {
+        if (!cpu_param(a[4], w, x->scalar_type()) || !eps_of(a[5], eps, true)) return std::nullopt;
+        return run(*x, [&] { return at::rms_norm(*x + *r, shape, w, rms_eps(*x, eps)); });
+      }
+      if (!cpu_param(a[4], w) || !cpu_param(a[5], b) || !eps_of(a[6], eps) ||
+          (half(*x) && differentiated({x, r}, w, b))) {
+        return std::nullopt;
+      }
+      return run(*x, [&] { return at::layer_norm(*x + *r, shape, w, b, *eps); });
+    }
+    case BATCH_NORM: {  // (op, x, running_mean, running_var, weight, bias, training, momentum, eps)
+      Opt rm, rv;
+      auto dtype = x->scalar_type();
+      if (n != 9 || x->dim() < 2 || x->numel() == 0 || !cpu_param(a[2], rm, dtype) || !cpu_param(a[3], rv, dtype) ||
+          !cpu_param(a[4], w, dtype) || !cpu_param(a[5], b, dtype) || rm.has_value() != rv.has_value() ||
+          (a[6] != Py_True && a[6] != Py_False) || !PyFloat_CheckExact(a[7]) || !eps_of(a[8], eps, false, true)) {
+        return std::nullopt;
+      }
+      bool training = a[6] == Py_True;
+      if (training ? x->numel() <= x->size(1) : !rm.has_value()) return std::nullopt;
+      double momentum = PyFloat_AS_DOUBLE(a[7]);
+      return run(*x, [&] { return at::batch_norm(*x, w, b, rm, rv, training, momentum, *eps, false); });
+    }
+    default:
+      return std::nullopt;
+  }
+}
+
+PyObject* cpu_door(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  HANDLE_TH_ERRORS
+  std::optional<at::Tensor> y;
+  try {
+    y = cpu_call(args, n);
+  } catch (const std::exception&) {  // the operator refused the call: the Python path words the error
+    y.reset();
+  }
+  if (!y) Py_RETURN_NONE;
+  return THPVariable_Wrap(std::move(*y));
+  END_HANDLE_TH_ERRORS
+}
+
+PyMethodDef cpu_door_def = {
+    "door", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(cpu_door)), METH_FASTCALL,
+    "door(op, x, ...) -> the CPU call's output from its torch operator, or None (normkit/cpu.py's DOOR)"};
 }  // namespace
 
 // Checks with one C-string message: TORCH_CHECK with a message of several parts crashed the process
@@ -646,4 +818,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                   "normkit native: cpu_group_norm: a parameter of (C,), x's dtype or float32");
     return CpuHalfGroupNorm::apply(x, w, b, groups, eps);
   });
+  m.add_object("door", py::reinterpret_steal<py::object>(PyCFunction_New(&cpu_door_def, nullptr)));
 }

@@ -112,3 +112,13 @@ def pytest_sessionfinish(session):
     name = os.environ.get("PYTEST_XDIST_WORKER", "main")
     with open(os.path.join(out, f"{name}.json"), "w") as f:
         json.dump({"launches": sorted(launch.RECORD or ()), "tolerances": testing.RECORD or []}, f)
+
+
+@pytest.fixture(autouse=True)
+def _cpu_calls_on_their_python_routes(monkeypatch):
+    """CPU calls on normkit.cpu's Python routes in every test, whether or not this machine built the
+    native CPU extension (whose door would serve them first): the door is tested apart, against
+    these routes bit for bit (tests/test_cpu_door.py, which sets it)."""
+    from normkit import cpu
+
+    monkeypatch.setattr(cpu, "DOOR", None)

@@ -5,14 +5,17 @@
 #   bash ci/gpu-ab.sh .old/REV                                     # there (carry .old)
 # Runs from outside the source tree (its normkit/ would shadow the old install on PYTHONPATH); every
 # results.json names the install it measured (normkit_path), and `normkit bench --compare` prints it.
-# SUITES (default sweep,small,image), DTYPES (bfloat16,float16,float32), RUN_T (200 s a run),
+# SUITES (default sweep,small,image), DTYPES (bfloat16,float16,float32), RUN_T (300 s a run),
 # SPREAD_SUITES (the two repeat runs: sweep, as issue 43 states the spread), NATIVE (1: build the new
 # tree's native host path first, `normkit native`; 0: the Python path). Logs and results under $OUT
 # (or ./gpu-out): old/, new/, new2/, new3/, ab.txt, spread.txt.
+# Steps s1 s2 s3 (not in the default): three more back-to-back runs of the new tree's SPREAD_SUITES
+# with `--rounds ${ROUNDS:-2}` (each cell's fastest of ROUNDS passes); spread.txt then compares them
+# (else new, new2, new3).
 # STEPS (default "old new new2 new3") runs some of the runs, RESULTS (default $OUT) keeps them: one
-# device call runs 600 s at most, so on one GPU the A/B is three calls to the same warm machine with
-# RESULTS=/tmp/ab (kept while it is warm): STEPS=old, STEPS="new new2", STEPS=new3; each call
-# compares what RESULTS holds so far and brings back the runs it made.
+# device call runs 600 s at most, so on one GPU the A/B is calls to the same warm machine with
+# RESULTS=/tmp/ab (kept while it is warm): STEPS=old, STEPS="new new2", STEPS=new3 (or "s1 s2 s3");
+# each call compares what RESULTS holds so far and brings back the runs it made.
 set -uo pipefail
 OLD=$(realpath "${1:?usage: bash ci/gpu-ab.sh DIR_OF_THE_OLD_TREE}")
 OUT=$(realpath -m "${OUT:-gpu-out}"); mkdir -p "$OUT"
@@ -51,28 +54,36 @@ if [ ! -e "$RES/compiled" ]; then
 fi
 export CUDA_VISIBLE_DEVICES=0
 if [[ $STEPS == *" old "* ]]; then
-  NORMKIT_NATIVE=0 PYTHONPATH=$site timeout "${RUN_T:-200}" python3 -m normkit bench $args --out "$RES/old" \
+  NORMKIT_NATIVE=0 PYTHONPATH=$site timeout "${RUN_T:-300}" python3 -m normkit bench $args --out "$RES/old" \
     > "$RES/old.txt" 2>&1  # (the old tree on its Python path: one installed before 4e6a466 has no native.cpp)
   echo "old: exit $?, $(( $(date +%s) - start )) s"
 fi
 if [[ $STEPS == *" new "* ]]; then
-  timeout "${RUN_T:-200}" python3 -m normkit bench $args --out "$RES/new" > "$RES/new.txt" 2>&1
+  timeout "${RUN_T:-300}" python3 -m normkit bench $args --out "$RES/new" > "$RES/new.txt" 2>&1
   echo "new: exit $?, $(( $(date +%s) - start )) s"
 fi
 for run in new2 new3; do
   [[ $STEPS == *" $run "* ]] || continue
-  timeout "${RUN_T:-200}" python3 -m normkit bench ${args/--suite ${SUITES:-sweep,small,image}/--suite ${SPREAD_SUITES:-sweep}} \
+  timeout "${RUN_T:-300}" python3 -m normkit bench ${args/--suite ${SUITES:-sweep,small,image}/--suite ${SPREAD_SUITES:-sweep}} \
     --out "$RES/$run" > "$RES/$run.txt" 2>&1
+  echo "$run: exit $?, $(( $(date +%s) - start )) s"
+done
+for run in s1 s2 s3; do
+  [[ $STEPS == *" $run "* ]] || continue
+  timeout "${RUN_T:-300}" python3 -m normkit bench ${args/--suite ${SUITES:-sweep,small,image}/--suite ${SPREAD_SUITES:-sweep}} \
+    --rounds "${ROUNDS:-2}" --out "$RES/$run" > "$RES/$run.txt" 2>&1
   echo "$run: exit $?, $(( $(date +%s) - start )) s"
 done
 if [ -e "$RES/old/results.json" ] && [ -e "$RES/new/results.json" ]; then
   python3 -m normkit bench --compare "$RES/old,$RES/new" > "$OUT/ab.txt" 2>&1
 fi
-runs=$(for r in new new2 new3; do [ -e "$RES/$r/results.json" ] && printf '%s,' "$RES/$r"; done)
+spread_runs="new new2 new3"
+[ -e "$RES/s1/results.json" ] && spread_runs="s1 s2 s3"
+runs=$(for r in $spread_runs; do [ -e "$RES/$r/results.json" ] && printf '%s,' "$RES/$r"; done)
 if [ "$(tr -cd , <<< "$runs" | wc -c)" -ge 2 ]; then
   python3 -m normkit bench --compare "${runs%,}" > "$OUT/spread.txt" 2>&1
 fi
-for r in old new new2 new3; do  # what this call ran comes back with it (results.json first: the device
+for r in old new new2 new3 s1 s2 s3; do  # what this call ran comes back with it (results.json first: the device
   [[ $STEPS == *" $r "* ]] || continue  # tool brings back a limited number of files, so no plots)
   mkdir -p "$OUT/$r"
   [ "$RES" = "$OUT" ] || cp "$RES/$r.txt" "$RES/$r"/*.json "$RES/$r"/*.csv "$OUT/$r/" 2>/dev/null

@@ -509,6 +509,36 @@ def measure_row(case, impl, inp, ref, timer, copy) -> dict:
     return make_row(case, impl, copy, result["fwd"], result["bwd"], result["error"])
 
 
+def retime_row(case, impl, inp, timer, row) -> dict:
+    """Another round of ``row``'s timings on fresh inputs ``inp``, as :func:`measure_row` times them
+    (no checks: the first round made them). Each direction that timed ``ok`` keeps its fastest round
+    (``fwd_rounds`` / ``bwd_rounds`` list every round's ms): a round is a median over ``rep_ms`` of
+    runs, so a disturbance of the host or the GPU that outlasts it (tenths of a second to seconds)
+    moves that round's median, not the kept one, while a slower code is slower in every round."""
+    call = forward_fn(impl, case.op, case.dropout)
+    call_inp = lambda: call(inp)  # noqa: E731
+    times = {}
+    if row["fwd_status"] == "ok":
+        timed = _no_grad(call_inp) if case.suite in NO_GRAD_FORWARD else call_inp
+        timed()
+        times["fwd"] = timer(timed)
+    if row["bwd_status"] == "ok":
+        for _ in range(3):
+            outs = call_inp()
+        args = (outs[0], leaves(inp), inp["dy"])
+        for _ in range(3):
+            torch.autograd.grad(*args, retain_graph=True)
+        times["bwd"] = timer(lambda: torch.autograd.grad(*args, retain_graph=True))
+    for direction, nbytes in zip(("fwd", "bwd"), case.bytes()):
+        if direction not in times:
+            continue
+        rounds = row.setdefault(f"{direction}_rounds", [row[f"{direction}_ms"]])
+        rounds.append(times[direction])
+        row[f"{direction}_ms"] = min(rounds)
+        row[f"{direction}_gbps"] = nbytes / row[f"{direction}_ms"] / 1e6
+    return with_fractions(row)
+
+
 def make_row(case, impl, copy, fwd=("fail", None), bwd=("fail", None), error="") -> dict:
     """A result row; GB/s from the ms and the op's byte count, fractions of ``copy`` GB/s."""
     row = dict(suite=case.suite, op=case.op, dtype=case.dtype, shape=case.label, m=case.m, n=case.n,
@@ -584,14 +614,17 @@ def pending(cases, impls, done=()):
     return [(c, case_impls) for c, case_impls in todo if case_impls]
 
 
-def run(cases, impls, device="cuda", timer=None, copy=None, done=(), on_row=None):
+def run(cases, impls, device="cuda", timer=None, copy=None, done=(), on_row=None, rounds=1):
     """Measure every (case, impl) not in ``done`` (keys of :func:`row_key`).
 
-    Returns (rows, {suite: seconds}). ``on_row(row)`` is called after each measurement.
+    Returns (rows, {suite: seconds}). ``on_row(row)`` is called after each measurement. ``rounds`` > 1:
+    then as many more passes over every case, each on fresh inputs, timing the rows again
+    (:func:`retime_row`: each direction keeps its fastest round); a pass is far apart in time from the
+    one before it, so a disturbance lasting a second or two lands in one round of a cell.
     """
     timer = timer or make_timer(device)
     todo = pending(cases, impls, done)
-    bar = progress(sum(len(i) for _, i in todo))
+    bar = progress(sum(len(i) for _, i in todo) * rounds)
     rows, sections = [], {}
     try:
         for suite in dict.fromkeys(c.suite for c, _ in todo):
@@ -616,6 +649,27 @@ def run(cases, impls, device="cuda", timer=None, copy=None, done=(), on_row=None
                 del inp, ref
             sections[suite] = time.perf_counter() - start
             bar.write(f"section {suite}: {sections[suite]:.1f}s")
+        by_key = {row_key(r): r for r in rows}
+        for n in range(2, rounds + 1):
+            start = time.perf_counter()
+            for case, case_impls in todo:
+                bar.set_description_str(f"round {n} {case.suite} {case.op} {case.dtype} {case.label}")
+                timed = [by_key[row_key(case, i)] for i in case_impls]
+                timed = [r for r in timed if "ok" in (r["fwd_status"], r["bwd_status"])]
+                if timed:
+                    inp = make_inputs(case, device)
+                    for row in timed:
+                        torch._dynamo.reset()
+                        try:
+                            retime_row(case, row["impl"], inp, timer, row)
+                        except Exception as exc:  # the first round's timings stand, and say so
+                            row["error"] = row["error"] or f"round {n}: {_error(exc)}"
+                        if on_row:
+                            on_row(row)
+                    del inp
+                bar.update(len(case_impls))
+            sections[f"round {n}"] = time.perf_counter() - start
+            bar.write(f"round {n}: {sections[f'round {n}']:.1f}s")
     finally:
         bar.close()
     return rows, sections
@@ -986,6 +1040,9 @@ def command(args) -> int:
         if args.merge:
             return _merge_command(args)
         if getattr(args, "device", None) == "cpu" and not args.list:
+            if args.rounds != 1:
+                raise UsageError(f"--rounds {args.rounds}: the CPU bench repeats its own timed loops; "
+                                 "--rounds is for cuda and npu (accepted on cpu: 1)")
             from normkit import bench_cpu
 
             return bench_cpu.command(args)
@@ -1027,7 +1084,7 @@ def _bench_command(args) -> int:
     device = torch.device(device_type, torch.get_device_module(device_type).current_device())
     copy = copy_gbps(device)
     summary = dict(suites=args.suite or list(SUITES), dtypes=sorted({c.dtype for c in cases}), impls=impls,
-                   skipped=skipped, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
+                   skipped=skipped, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, rounds=args.rounds,
                    gc="running" if args.gc_running else "paused",
                    shard="/".join(map(str, args.shard)) if args.shard else None)  # fmt: skip
     part = metadata(device, copy, summary)
@@ -1037,14 +1094,15 @@ def _bench_command(args) -> int:
           f"copy {copy:.0f} GB/s", file=sys.stderr)  # fmt: skip
     new_rows, start = [], time.perf_counter()
 
-    def save(row):
-        new_rows.append(row)
+    def save(row):  # (called again for a row timed in a later round: written, not added twice)
+        if not any(r is row for r in new_rows):
+            new_rows.append(row)
         if args.out:
             Path(args.out).mkdir(parents=True, exist_ok=True)
             write_json(Path(args.out) / RESULTS, parts, old_rows + new_rows)
 
     timer = make_timer(device, args.warmup_ms, args.rep_ms, pause_gc=not args.gc_running)
-    _, part["sections"] = run(cases, impls, device, timer, copy, done, save)
+    _, part["sections"] = run(cases, impls, device, timer, copy, done, save, args.rounds)
     part["elapsed_s"] = time.perf_counter() - start
     rows = old_rows + new_rows
     print(format_table(parts, rows))

@@ -160,6 +160,17 @@ def int_list(text):
     return values
 
 
+def rounds(text):
+    """argparse type: a count of rounds, a positive int."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return n
+
+
 def dropout_p(text):
     """argparse type: a dropout probability in [0, 1)."""
     try:

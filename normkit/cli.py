@@ -338,6 +338,10 @@ def add_bench_parser(sub):
                    help="time spent timing each measurement (do_bench on cuda, events on npu; default: 100)")
     p.add_argument("--warmup-ms", type=float, default=25, metavar="MS",
                    help="warm-up time before each measurement (default: 25)")
+    p.add_argument("--rounds", type=bench.rounds, default=1, metavar="R",
+                   help="time every measurement in R passes over the cases (each on fresh inputs, the "
+                        "checks in the first) and keep each direction's fastest round: a disturbance that "
+                        "outlasts one measurement lands in one round (default: 1; cuda and npu)")
     p.add_argument("--gc-running", action="store_true",
                    help="leave Python's garbage collector running in the timed runs (default: paused during "
                         "each measurement, as timeit does)")

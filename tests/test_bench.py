@@ -126,7 +126,7 @@ def test_repeated_shapes_run_once():
 
 @pytest.mark.parametrize("argv", [["--dtypes", "bf16"], ["--suite", "big"], ["--ops", "norm"],
                                   ["--n", "0"], ["--n", "x"], ["--shard", "3/2"], ["--impls", "apex"],
-                                  ["--device", "tpu"]])
+                                  ["--device", "tpu"], ["--rounds", "0"], ["--rounds", "two"]])
 def test_bad_arguments_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         parse(*argv)
@@ -190,7 +190,7 @@ def test_help_lists_every_option(capsys):
     out = capsys.readouterr().out
     options = "--suite --ops --dtypes --n --device --impls --quick --out --resume --shard --merge --compare "
     options += "--list "
-    options += "--rep-ms --warmup-ms"
+    options += "--rep-ms --warmup-ms --rounds --gc-running"
     assert all(option in out for option in options.split())
     assert all(suite in out for suite in bench.SUITES)
 
@@ -461,6 +461,52 @@ def test_run_skips_what_is_done():
     rows, _ = bench.run(TINY[:2], ["normkit", "torch"], "cpu", fake_timer, copy=1.0, done=done)
     assert [(r["impl"], r["dtype"]) for r in rows] == [("normkit", "bfloat16"), ("normkit", "float32"),
                                                        ("torch", "float32")]  # fmt: skip
+
+
+def test_rounds_keep_each_directions_fastest(monkeypatch):
+    """--rounds 3: every row timed in three passes over the cases (inputs made afresh each pass), each
+    direction keeps its fastest round and lists all three; a wrong row is not timed again; on_row
+    sees every round of a row."""
+    times = iter([4.0, 8.0, 2.0, 9.0, 6.0, 3.0])  # rms_norm's fwd / bwd, rounds 1-3 (softmax: wrong)
+    timer = lambda fn: (fn(), next(times))[1]  # noqa: E731
+    real, made = bench.forward_fn, []
+
+    def forward_fn(impl, op, dropout=0.0):
+        fn = real("torch", op)
+        return (lambda i: tuple(1.1 * o for o in fn(i))) if op == "softmax" else fn
+
+    monkeypatch.setattr(bench, "forward_fn", forward_fn)
+    make_inputs = bench.make_inputs
+    counted = lambda case, device: made.append(case.op) or make_inputs(case, device)  # noqa: E731
+    monkeypatch.setattr(bench, "make_inputs", counted)
+    cases = [c for c in TINY if c.op in ("rms_norm", "softmax") and c.dtype == "float32"]
+    seen = []
+    rows, sections = bench.run(cases, ["normkit"], "cpu", timer, copy=100.0, on_row=seen.append, rounds=3)
+    rms, soft = rows
+    assert (rms["fwd_rounds"], rms["bwd_rounds"]) == ([4.0, 2.0, 6.0], [8.0, 9.0, 3.0])
+    assert (rms["fwd_ms"], rms["bwd_ms"]) == (2.0, 3.0)
+    fwd_bytes, bwd_bytes = cases[0].bytes()
+    assert rms["fwd_gbps"] == pytest.approx(fwd_bytes / 2.0 / 1e6)
+    assert rms["bwd_frac"] == pytest.approx(bwd_bytes / 3.0 / 1e6 / 100.0)
+    assert (soft["fwd_status"], soft["bwd_status"]) == ("wrong", "wrong") and "fwd_rounds" not in soft
+    assert made == ["rms_norm", "softmax", "rms_norm", "rms_norm"] and next(times, None) is None
+    assert [r["op"] for r in seen] == ["rms_norm", "softmax", "rms_norm", "rms_norm"]
+    assert {"round 2", "round 3"} <= set(sections)
+
+
+def test_a_round_that_fails_keeps_the_first_rounds_timing(monkeypatch):
+    def retime_row(case, impl, inp, timer, row):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(bench, "retime_row", retime_row)
+    rows, _ = bench.run(TINY[:1], ["torch"], "cpu", fake_timer, copy=1.0, rounds=2)
+    assert (rows[0]["fwd_status"], rows[0]["fwd_ms"]) == ("ok", 0.5)
+    assert rows[0]["error"] == "round 2: OutOfMemoryError: CUDA out of memory"
+
+
+def test_rounds_on_cpu_exit_2(capsys):
+    assert cli.main(["bench", "--device", "cpu", "--rounds", "2"]) == 2
+    assert "--rounds 2" in capsys.readouterr().err
 
 
 # --- devices and the implementations measured on each -------------------------------------------

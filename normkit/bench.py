@@ -14,6 +14,8 @@ between runs); on other devices :func:`event_bench` does the same with the devic
 (``torch.get_device_module(device)``), and the fp64 reference is computed on the CPU from copies of
 the device inputs (NPU fp64 support is partial). Python's garbage collector is paused while each
 measurement runs, as ``timeit`` does (``--gc-running`` leaves it on; docs/tuning-log.md T3).
+``--rounds R`` times every row again in R - 1 more passes over the cases, on fresh inputs and
+without the checks, and each direction keeps its fastest round (:func:`retime_row`; T106).
 ``torch._dynamo.reset()`` runs before each case, so torch.compile compiles every shape afresh instead
 of falling back to eager after its recompile limit.
 Row tensors hold 2^27 elements (M = 2^27 // N), well past L2; the ``few`` suite is small on purpose

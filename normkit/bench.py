@@ -619,10 +619,11 @@ def pending(cases, impls, done=()):
 def run(cases, impls, device="cuda", timer=None, copy=None, done=(), on_row=None, rounds=1):
     """Measure every (case, impl) not in ``done`` (keys of :func:`row_key`).
 
-    Returns (rows, {suite: seconds}). ``on_row(row)`` is called after each measurement. ``rounds`` > 1:
-    then as many more passes over every case, each on fresh inputs, timing the rows again
-    (:func:`retime_row`: each direction keeps its fastest round); a pass is far apart in time from the
-    one before it, so a disturbance lasting a second or two lands in one round of a cell.
+    Returns (rows, {suite: seconds}). ``on_row(row)`` is called after each measurement of the first
+    round. ``rounds`` > 1: then as many more passes over every case, each on fresh inputs, timing the
+    rows again in place (:func:`retime_row`: each direction keeps its fastest round); a pass is far
+    apart in time from the one before it, so a disturbance lasting a second or two lands in one round
+    of a cell.
     """
     timer = timer or make_timer(device)
     todo = pending(cases, impls, done)
@@ -666,8 +667,6 @@ def run(cases, impls, device="cuda", timer=None, copy=None, done=(), on_row=None
                             retime_row(case, row["impl"], inp, timer, row)
                         except Exception as exc:  # the first round's timings stand, and say so
                             row["error"] = row["error"] or f"round {n}: {_error(exc)}"
-                        if on_row:
-                            on_row(row)
                     del inp
                 bar.update(len(case_impls))
             sections[f"round {n}"] = time.perf_counter() - start
@@ -1096,9 +1095,8 @@ def _bench_command(args) -> int:
           f"copy {copy:.0f} GB/s", file=sys.stderr)  # fmt: skip
     new_rows, start = [], time.perf_counter()
 
-    def save(row):  # (called again for a row timed in a later round: written, not added twice)
-        if not any(r is row for r in new_rows):
-            new_rows.append(row)
+    def save(row):  # (a first round's row; later rounds time the rows in place, written at the end)
+        new_rows.append(row)
         if args.out:
             Path(args.out).mkdir(parents=True, exist_ok=True)
             write_json(Path(args.out) / RESULTS, parts, old_rows + new_rows)

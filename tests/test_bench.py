@@ -466,7 +466,7 @@ def test_run_skips_what_is_done():
 def test_rounds_keep_each_directions_fastest(monkeypatch):
     """--rounds 3: every row timed in three passes over the cases (inputs made afresh each pass), each
     direction keeps its fastest round and lists all three; a wrong row is not timed again; on_row
-    sees every round of a row."""
+    sees each row once, in the first round (later rounds time the same row objects in place)."""
     times = iter([4.0, 8.0, 2.0, 9.0, 6.0, 3.0])  # rms_norm's fwd / bwd, rounds 1-3 (softmax: wrong)
     timer = lambda fn: (fn(), next(times))[1]  # noqa: E731
     real, made = bench.forward_fn, []
@@ -490,7 +490,7 @@ def test_rounds_keep_each_directions_fastest(monkeypatch):
     assert rms["bwd_frac"] == pytest.approx(bwd_bytes / 3.0 / 1e6 / 100.0)
     assert (soft["fwd_status"], soft["bwd_status"]) == ("wrong", "wrong") and "fwd_rounds" not in soft
     assert made == ["rms_norm", "softmax", "rms_norm", "rms_norm"] and next(times, None) is None
-    assert [r["op"] for r in seen] == ["rms_norm", "softmax", "rms_norm", "rms_norm"]
+    assert [r["op"] for r in seen] == ["rms_norm", "softmax"] and seen[0] is rms
     assert {"round 2", "round 3"} <= set(sections)
 
 

@@ -659,15 +659,15 @@ def run(cases, impls, device="cuda", timer=None, copy=None, done=(), on_row=None
                 bar.set_description_str(f"round {n} {case.suite} {case.op} {case.dtype} {case.label}")
                 timed = [by_key[row_key(case, i)] for i in case_impls]
                 timed = [r for r in timed if "ok" in (r["fwd_status"], r["bwd_status"])]
-                if timed:
-                    inp = make_inputs(case, device)
-                    for row in timed:
-                        torch._dynamo.reset()
-                        try:
-                            retime_row(case, row["impl"], inp, timer, row)
-                        except Exception as exc:  # the first round's timings stand, and say so
-                            row["error"] = row["error"] or f"round {n}: {_error(exc)}"
-                    del inp
+                inp = None
+                for row in timed:
+                    torch._dynamo.reset()
+                    try:
+                        inp = make_inputs(case, device) if inp is None else inp
+                        retime_row(case, row["impl"], inp, timer, row)
+                    except Exception as exc:  # the first round's timings stand, and say so
+                        row["error"] = row["error"] or f"round {n}: {_error(exc)}"
+                del inp
                 bar.update(len(case_impls))
             sections[f"round {n}"] = time.perf_counter() - start
             bar.write(f"round {n}: {sections[f'round {n}']:.1f}s")

@@ -494,14 +494,23 @@ def test_rounds_keep_each_directions_fastest(monkeypatch):
     assert {"round 2", "round 3"} <= set(sections)
 
 
-def test_a_round_that_fails_keeps_the_first_rounds_timing(monkeypatch):
-    def retime_row(case, impl, inp, timer, row):
-        raise torch.OutOfMemoryError("CUDA out of memory")
+@pytest.mark.parametrize("where", ["retime_row", "make_inputs"])
+def test_a_round_that_fails_keeps_the_first_rounds_timing(monkeypatch, where):
+    """A later round that raises (its inputs, or its timing: out of memory) leaves the first round's
+    timing, says which round failed, and the run goes on to the next case."""
+    real = getattr(bench, where)
+    calls = []
 
-    monkeypatch.setattr(bench, "retime_row", retime_row)
-    rows, _ = bench.run(TINY[:1], ["torch"], "cpu", fake_timer, copy=1.0, rounds=2)
-    assert (rows[0]["fwd_status"], rows[0]["fwd_ms"]) == ("ok", 0.5)
-    assert rows[0]["error"] == "round 2: OutOfMemoryError: CUDA out of memory"
+    def fails_after_the_first_round(*args):
+        calls.append(args)
+        if where == "retime_row" or len(calls) > 2:  # (make_inputs: the first round's two cases pass)
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return real(*args)
+
+    monkeypatch.setattr(bench, where, fails_after_the_first_round)
+    rows, _ = bench.run(TINY[:2], ["torch"], "cpu", fake_timer, copy=1.0, rounds=2)
+    assert [(r["fwd_status"], r["fwd_ms"], r["bwd_ms"]) for r in rows] == [("ok", 0.5, 0.5)] * 2
+    assert [r["error"] for r in rows] == ["round 2: OutOfMemoryError: CUDA out of memory"] * 2
 
 
 def test_rounds_on_cpu_exit_2(capsys):

@@ -353,6 +353,56 @@ def test_native_group_norm_edges(no_reference, native_group_norm, monkeypatch, d
     assert cpu.group_norm(x, 4, torch.ones(4, 2, requires_grad=True), None, 1e-5) is None  # the full path
 
 
+def _bits(t):
+    return t.view(torch.int16) if t.dtype == torch.float16 else t
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "group_norm"])
+def test_fp16_rows_the_same_bits_with_and_without_f16c(op):
+    """The native operators' fp16 rows through the CPU's F16C conversions (fp32 rows, converted in
+    steps of 8) and through the portable ones (a CPU without F16C): the same bits, forward and every
+    gradient, for rows with a tail of fewer than 8 values, rows around 300, fp16 / fp32 / no
+    parameters, and each subset of gradients (dx alone, dweight and dbias alone). The fp16 tests
+    against fp64 above run the F16C rows where the CPU has them."""
+    lib = _native_cpu()
+    if not lib.f16c(True):
+        pytest.skip("this CPU has no AVX2 + F16C: the portable conversions alone run (tested above)")
+    gen = torch.Generator().manual_seed(5)
+    cases = []
+    for shape, mean, params in [((1, 8), 0.0, "fp16"), ((3, 7), 300.0, "fp32"), ((5, 13), 0.0, None),
+                                ((2, 1030), 300.0, "fp16"), ((4, 40999), 0.0, "fp16")]:  # fmt: skip
+        n = shape[-1] if op == "layer_norm" else shape[1]
+        if op == "group_norm":
+            shape, n = {(1, 8): ((1, 8), 8), (3, 7): ((3, 6, 7), 6), (5, 13): ((5, 12, 3, 5), 12),
+                        (2, 1030): ((2, 10, 103), 10), (4, 40999): ((4, 8, 129, 31), 8)}[shape]  # fmt: skip
+        x = (torch.randn(shape, generator=gen) * 3 + mean).half()
+        dtype = torch.float16 if params == "fp16" else torch.float32
+        w = None if params is None else (torch.rand(n, generator=gen) + 0.5).to(dtype)
+        b = None if params is None else torch.randn(n, generator=gen).to(dtype)
+        cases.append((x, w, b, torch.randn(shape, generator=gen).half()))
+
+    def run(x, w, b, dy, wants):
+        leaves = [t.detach().clone().requires_grad_(i in wants) if t is not None else None
+                  for i, t in enumerate((x, w, b))]  # fmt: skip
+        if op == "layer_norm":
+            y = lib.cpu_layer_norm(leaves[0], leaves[1], leaves[2], [x.shape[-1]], 1e-5)
+        else:
+            y = lib.cpu_group_norm(leaves[0], leaves[1], leaves[2], 2, 1e-5)
+        return [y, *torch.autograd.grad(y, [leaves[i] for i in wants], dy)]
+
+    try:
+        for x, w, b, dy in cases:
+            for wants in ((0, 1, 2), (0,), (1, 2)) if w is not None else ((0,),):
+                got = {}
+                for on in (True, False):
+                    assert lib.f16c(on) is on
+                    got[on] = run(x, w, b, dy, wants)
+                for a, e in zip(got[True], got[False], strict=True):
+                    assert a.dtype == e.dtype and torch.equal(_bits(a), _bits(e)), (x.shape, wants)
+    finally:
+        lib.f16c(True)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("training", [True, False])
 @pytest.mark.parametrize("shape", [(8, 16, 5, 5), (16, 4096)], ids=str)

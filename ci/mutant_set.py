@@ -83,6 +83,11 @@ MUTANTS = [
            "  if (eps || !half(x)) return eps;", "  return eps;",
            ("tests/test_cpu_door.py", *_k("serves_the_python_paths", "bfloat16", "inference")),
            what="the CPU door's rms_norm of a 16-bit input, eps None: fp32's epsilon (torch's kernel's)"),
+    Mutant("native-cpu-f16c-rounds-toward-zero", "normkit/native_cpu.cpp", "",
+           "_mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT)",
+           "_mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_ZERO)",
+           ("tests/test_cpu.py", "-k", "same_bits_with_and_without_f16c"),
+           what="fp16 rows through F16C rounded toward zero on their way back (within the fp64 tests' ulps)"),
     # --- the CPU path (torch's operators) -------------------------------------------------------------
     Mutant("cpu-serves-nothing", "normkit/cpu.py", "serves",
            "return type(input) is torch.Tensor and input.is_cpu and not dispatch._IN_OVERRIDE[0]",

@@ -62,16 +62,11 @@ if [[ $STEPS == *" new "* ]]; then
   timeout "${RUN_T:-300}" python3 -m normkit bench $args --out "$RES/new" > "$RES/new.txt" 2>&1
   echo "new: exit $?, $(( $(date +%s) - start )) s"
 fi
-for run in new2 new3; do
+for run in new2 new3 s1 s2 s3; do
   [[ $STEPS == *" $run "* ]] || continue
+  rounds=1; [[ $run == s* ]] && rounds=${ROUNDS:-2}
   timeout "${RUN_T:-300}" python3 -m normkit bench ${args/--suite ${SUITES:-sweep,small,image}/--suite ${SPREAD_SUITES:-sweep}} \
-    --out "$RES/$run" > "$RES/$run.txt" 2>&1
-  echo "$run: exit $?, $(( $(date +%s) - start )) s"
-done
-for run in s1 s2 s3; do
-  [[ $STEPS == *" $run "* ]] || continue
-  timeout "${RUN_T:-300}" python3 -m normkit bench ${args/--suite ${SUITES:-sweep,small,image}/--suite ${SPREAD_SUITES:-sweep}} \
-    --rounds "${ROUNDS:-2}" --out "$RES/$run" > "$RES/$run.txt" 2>&1
+    --rounds "$rounds" --out "$RES/$run" > "$RES/$run.txt" 2>&1
   echo "$run: exit $?, $(( $(date +%s) - start )) s"
 done
 if [ -e "$RES/old/results.json" ] && [ -e "$RES/new/results.json" ]; then

@@ -163,6 +163,21 @@ bool f16c_on() {
   return on == 1;
 }
 
+// Rows [lo, hi) of len fp16 values through fp32 (F16C): row r of a (and of b, where given) converted
+// into fp32 buffers, run(r, a, b, out) on them, and out's buffer converted back into out's row (out
+// nullptr: no buffer, nothing back). The fp16 row functions' one loop (forward_rows_f16 and below).
+template <class Run>
+void via_f16c(const uint16_t* a, const uint16_t* b, uint16_t* out, int64_t len, int64_t lo, int64_t hi, Run run) {
+  std::vector<float> buf(3 * len);
+  float *fa = buf.data(), *fb = fa + len, *fo = out != nullptr ? fb + len : nullptr;
+  for (int64_t r = lo; r < hi; ++r) {
+    f16c_to_fp32(a + r * len, fa, len);
+    if (b != nullptr) f16c_to_fp32(b + r * len, fb, len);
+    run(r, fa, fb, fo);
+    if (out != nullptr) f16c_from_fp32(fo, out + r * len, len);
+  }
+}
+
 // The sum of x[0, n) and the sum of (x - mean)^2 there: 16 fp32 lanes, the lanes added in order, then
 // the tail (the LayerNorm rows' and the GroupNorm chunks' statistics).
 template <typename C>
@@ -276,26 +291,17 @@ NK_CLONES void backward_rows(const typename C::Raw* DY, const typename C::Raw* X
 void forward_rows_f16(const uint16_t* X, const float* W, const float* B, uint16_t* Y, float* Mean, float* Rstd,
                       int64_t N, float eps, int64_t lo, int64_t hi) {
   if (!f16c_on()) return forward_rows<F16>(X, W, B, Y, Mean, Rstd, N, eps, lo, hi);
-  std::vector<float> buf(2 * N);
-  float *x = buf.data(), *y = x + N;
-  for (int64_t r = lo; r < hi; ++r) {
-    f16c_to_fp32(X + r * N, x, N);
+  via_f16c(X, nullptr, Y, N, lo, hi, [&](int64_t r, const float* x, const float*, float* y) {
     forward_rows<F32>(x, W, B, y, Mean + r, Rstd + r, N, eps, 0, 1);
-    f16c_from_fp32(y, Y + r * N, N);
-  }
+  });
 }
 
 void backward_rows_f16(const uint16_t* DY, const uint16_t* X, const float* W, const float* Mean, const float* Rstd,
                        uint16_t* DX, float* DW, float* DB, int64_t N, int64_t lo, int64_t hi) {
   if (!f16c_on()) return backward_rows<F16>(DY, X, W, Mean, Rstd, DX, DW, DB, N, lo, hi);
-  std::vector<float> buf(3 * N);
-  float *dy = buf.data(), *x = dy + N, *dx = x + N;
-  for (int64_t r = lo; r < hi; ++r) {
-    f16c_to_fp32(DY + r * N, dy, N);
-    f16c_to_fp32(X + r * N, x, N);
-    backward_rows<F32>(dy, x, W, Mean + r, Rstd + r, DX != nullptr ? dx : nullptr, DW, DB, N, 0, 1);
-    if (DX != nullptr) f16c_from_fp32(dx, DX + r * N, N);
-  }
+  via_f16c(DY, X, DX, N, lo, hi, [&](int64_t r, const float* dy, const float* x, float* dx) {
+    backward_rows<F32>(dy, x, W, Mean + r, Rstd + r, dx, DW, DB, N, 0, 1);
+  });
 }
 
 // A parameter as N fp32 values (``fill`` for an absent one), read in place (no ATen operator).
@@ -624,33 +630,21 @@ NK_CLONES void gn_backward_rows(const typename C::Raw* DY, const typename C::Raw
 void gn_forward_rows_f16(const uint16_t* X, const float* W, const float* B, uint16_t* Y, float* Mean, float* Rstd,
                          int64_t G, int64_t D, int64_t S, float eps, int64_t lo, int64_t hi) {
   if (!f16c_on()) return gn_forward_rows<F16>(X, W, B, Y, Mean, Rstd, G, D, S, eps, lo, hi);
-  const int64_t L = D * S;
-  std::vector<float> buf(2 * L);
-  float *x = buf.data(), *y = x + L;
-  for (int64_t r = lo; r < hi; ++r) {
+  via_f16c(X, nullptr, Y, D * S, lo, hi, [&](int64_t r, const float* x, const float*, float* y) {
     const int64_t c0 = (r % G) * D;
-    f16c_to_fp32(X + r * L, x, L);
     gn_forward_rows<F32>(x, W + c0, B + c0, y, Mean + r, Rstd + r, 1, D, S, eps, 0, 1);
-    f16c_from_fp32(y, Y + r * L, L);
-  }
+  });
 }
 
 void gn_backward_rows_f16(const uint16_t* DY, const uint16_t* X, const float* W, const float* Mean,
                           const float* Rstd, uint16_t* DX, float* DW_all, float* DB_all, int64_t G, int64_t D,
                           int64_t S, int64_t lo, int64_t hi) {
   if (!f16c_on()) return gn_backward_rows<F16>(DY, X, W, Mean, Rstd, DX, DW_all, DB_all, G, D, S, lo, hi);
-  const int64_t L = D * S;
-  std::vector<float> buf(3 * L);
-  float *dy = buf.data(), *x = dy + L, *dx = x + L;
-  for (int64_t r = lo; r < hi; ++r) {
+  via_f16c(DY, X, DX, D * S, lo, hi, [&](int64_t r, const float* dy, const float* x, float* dx) {
     const int64_t c0 = (r % G) * D;
-    f16c_to_fp32(DY + r * L, dy, L);
-    f16c_to_fp32(X + r * L, x, L);
-    gn_backward_rows<F32>(dy, x, W + c0, Mean + r, Rstd + r, DX != nullptr ? dx : nullptr,
-                          DW_all != nullptr ? DW_all + c0 : nullptr, DB_all != nullptr ? DB_all + c0 : nullptr, 1, D,
-                          S, 0, 1);
-    if (DX != nullptr) f16c_from_fp32(dx, DX + r * L, L);
-  }
+    gn_backward_rows<F32>(dy, x, W + c0, Mean + r, Rstd + r, dx, DW_all != nullptr ? DW_all + c0 : nullptr,
+                          DB_all != nullptr ? DB_all + c0 : nullptr, 1, D, S, 0, 1);
+  });
 }
 
 // The rows (sample, group) of one block: the threads' grain, and the backward's parameter sums.

@@ -8,10 +8,12 @@
 # SUITES (default sweep,small,image), DTYPES (bfloat16,float16,float32), RUN_T (300 s a run),
 # SPREAD_SUITES (the two repeat runs: sweep, as issue 43 states the spread), NATIVE (1: build the new
 # tree's native host path first, `normkit native`; 0: the Python path). Logs and results under $OUT
-# (or ./gpu-out): old/, new/, new2/, new3/, ab.txt, spread.txt.
+# (or ./gpu-out): old/, new/, new2/, new3/ (results.json; the logs stay in RESULTS), ab.txt, spread.txt.
 # Steps s1 s2 s3 (not in the default): three more back-to-back runs of the new tree's SPREAD_SUITES
 # with `--rounds ${ROUNDS:-2}` (each cell's fastest of ROUNDS passes); spread.txt then compares them
-# (else new, new2, new3).
+# (else new, new2, new3). Steps old-b new-b (not in the default; after old new): the A/B's second
+# turn, old and new again over every suite; ab.txt then compares old+old-b with new+new-b, each
+# cell the fastest of its code's two runs (a dip of seconds lands in one run of one code).
 # STEPS (default "old new new2 new3") runs some of the runs, RESULTS (default $OUT) keeps them: one
 # device call runs 600 s at most, so on one GPU the A/B is calls to the same warm machine with
 # RESULTS=/tmp/ab (kept while it is warm): STEPS=old, STEPS="new new2", STEPS=new3 (or "s1 s2 s3");
@@ -53,15 +55,16 @@ if [ ! -e "$RES/compiled" ]; then
   echo "compiled: $(( $(date +%s) - start )) s"
 fi
 export CUDA_VISIBLE_DEVICES=0
-if [[ $STEPS == *" old "* ]]; then
-  NORMKIT_NATIVE=0 PYTHONPATH=$site timeout "${RUN_T:-300}" python3 -m normkit bench $args --out "$RES/old" \
-    > "$RES/old.txt" 2>&1  # (the old tree on its Python path: one installed before 4e6a466 has no native.cpp)
-  echo "old: exit $?, $(( $(date +%s) - start )) s"
-fi
-if [[ $STEPS == *" new "* ]]; then
-  timeout "${RUN_T:-300}" python3 -m normkit bench $args --out "$RES/new" > "$RES/new.txt" 2>&1
-  echo "new: exit $?, $(( $(date +%s) - start )) s"
-fi
+for run in old new old-b new-b; do
+  [[ $STEPS == *" $run "* ]] || continue
+  if [[ $run == old* ]]; then  # the old tree on its Python path: one installed before 4e6a466 has no native.cpp
+    NORMKIT_NATIVE=0 PYTHONPATH=$site timeout "${RUN_T:-300}" python3 -m normkit bench $args --out "$RES/$run" \
+      > "$RES/$run.txt" 2>&1
+  else
+    timeout "${RUN_T:-300}" python3 -m normkit bench $args --out "$RES/$run" > "$RES/$run.txt" 2>&1
+  fi
+  echo "$run: exit $?, $(( $(date +%s) - start )) s"
+done
 for run in new2 new3 s1 s2 s3; do
   [[ $STEPS == *" $run "* ]] || continue
   rounds=1; [[ $run == s* ]] && rounds=${ROUNDS:-2}
@@ -70,7 +73,9 @@ for run in new2 new3 s1 s2 s3; do
   echo "$run: exit $?, $(( $(date +%s) - start )) s"
 done
 if [ -e "$RES/old/results.json" ] && [ -e "$RES/new/results.json" ]; then
-  python3 -m normkit bench --compare "$RES/old,$RES/new" > "$OUT/ab.txt" 2>&1
+  ab="$RES/old,$RES/new"
+  [ -e "$RES/old-b/results.json" ] && [ -e "$RES/new-b/results.json" ] && ab="$RES/old+$RES/old-b,$RES/new+$RES/new-b"
+  python3 -m normkit bench --compare "$ab" > "$OUT/ab.txt" 2>&1
 fi
 spread_runs="new new2 new3"
 [ -e "$RES/s1/results.json" ] && spread_runs="s1 s2 s3"
@@ -78,11 +83,12 @@ runs=$(for r in $spread_runs; do [ -e "$RES/$r/results.json" ] && printf '%s,' "
 if [ "$(tr -cd , <<< "$runs" | wc -c)" -ge 2 ]; then
   python3 -m normkit bench --compare "${runs%,}" > "$OUT/spread.txt" 2>&1
 fi
-for r in old new new2 new3 s1 s2 s3; do  # what this call ran comes back with it (results.json first: the device
-  [[ $STEPS == *" $r "* ]] || continue  # tool brings back a limited number of files, so no plots)
+for r in old new old-b new-b new2 new3 s1 s2 s3; do  # what this call ran comes back with it: results.json
+  [[ $STEPS == *" $r "* ]] || continue  # only (the device tool brings back a limited number of files)
   mkdir -p "$OUT/$r"
-  [ "$RES" = "$OUT" ] || cp "$RES/$r.txt" "$RES/$r"/*.json "$RES/$r"/*.csv "$OUT/$r/" 2>/dev/null
+  [ "$RES" = "$OUT" ] || cp "$RES/$r/results.json" "$OUT/$r/" 2>/dev/null
   rm -rf "$OUT/$r/plots"
+  echo "$r: $(tail -1 "$RES/$r.txt")"
 done
 grep -A3 "^fwd: last" "$OUT/ab.txt" 2>/dev/null; grep -E "^(below|spread over)" "$OUT/spread.txt" 2>/dev/null
 echo "gpu A/B: $(( $(date +%s) - start )) s"

@@ -914,13 +914,45 @@ def write_outputs(out_dir, parts, rows) -> str:
     return written + f" and {len(plots)} plots in {out_dir / 'plots'}"
 
 
+def read_best_of(source):
+    """(parts, rows) of ``source``, or of the runs ``A+B+...`` it joins with ``+``: one run of the
+    same code and cases each (e.g. the old and the new code run in turns, A/B/A/B), each cell
+    keeping every direction's fastest run that timed it ``ok`` (a cell not ``ok`` in a run keeps
+    that run's status; ``{fwd,bwd}_runs`` list every run's ms). What ``--rounds`` does within one
+    run, across runs: a disturbance that outlasts a run's pass over neighbouring cells lands in one
+    run. A cell missing from a run is dropped."""
+    runs = [read_json(src) for src in source.split("+")]
+    if len(runs) == 1:
+        return runs[0]
+    parts = [p for run_parts, _ in runs for p in run_parts]
+    by_key = [{row_key(r): r for r in rows} for _, rows in runs]
+    rows = []
+    for key, first in by_key[0].items():
+        cells = [b.get(key) for b in by_key]
+        if None in cells:
+            continue
+        row = dict(first)
+        for d in ("fwd", "bwd"):
+            bad = [c[f"{d}_status"] for c in cells if c[f"{d}_status"] != "ok"]
+            row[f"{d}_runs"] = [c[f"{d}_ms"] for c in cells]
+            if bad:
+                row[f"{d}_status"] = bad[0]
+                continue
+            best = max(cells, key=lambda c: c[f"{d}_gbps"])
+            row[f"{d}_ms"], row[f"{d}_gbps"] = best[f"{d}_ms"], best[f"{d}_gbps"]
+            row[f"{d}_frac"] = best[f"{d}_frac"]
+        rows.append(row)
+    return parts, rows
+
+
 def compare(sources, floor=0.98, spread_limit=0.03) -> tuple[str, int]:
     """(report, number of wrong cells) of several results of the same cases, in order (an A/B: the
-    old run first; a repeat: runs of one code). Per (op, dtype, shape, impl) measured ok in every
-    run, forward and backward: each run's GB/s, last / first, and the spread max / min - 1; then
-    per direction the ratios' min / median / max, the cells below ``floor`` and those whose spread
-    passes ``spread_limit``. A cell that failed or was wrong in any run is listed, not compared."""
-    runs = [read_json(src) for src in sources]
+    old run first; a repeat: runs of one code). A source ``A+B`` is the fastest of runs A and B per
+    cell (:func:`read_best_of`). Per (op, dtype, shape, impl) measured ok in every source, forward
+    and backward: each source's GB/s, last / first, and the spread max / min - 1; then per direction
+    the ratios' min / median / max, the cells below ``floor`` and those whose spread passes
+    ``spread_limit``. A cell that failed or was wrong in any run is listed, not compared."""
+    runs = [read_best_of(src) for src in sources]
     if len(runs) < 2:
         raise UsageError(f"--compare: needs two or more results (got {len(runs)})")
     by_key = [{row_key(r): r for r in rows} for _, rows in runs]
@@ -929,6 +961,7 @@ def compare(sources, floor=0.98, spread_limit=0.03) -> tuple[str, int]:
     for i, (src, (parts, _)) in enumerate(zip(sources, runs)):
         p = parts[0] if parts else {}
         where = f", normkit from {p['normkit_path']}" if p.get("normkit_path") else ""
+        where += f", the fastest of {src.count('+') + 1} runs per cell" if "+" in src else ""
         lines.append(f"run {i + 1}: {src} ({p.get('gpu')}, triton {p.get('triton')}, {p.get('date')}{where})")
     lines.append(f"{len(keys)} cells in every run; GB/s per run, last / first, spread = max / min - 1")
     ratios, low, wide, bad, wrong = {"fwd": [], "bwd": []}, [], [], [], 0

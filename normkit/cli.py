@@ -280,6 +280,7 @@ or re-run one command until it has done everything (results are saved after each
 An A/B of two installs, or the spread of three runs of one, on one machine:
   normkit bench --suite sweep --out old ... normkit bench --suite sweep --out new
   normkit bench --compare old,new
+  normkit bench --compare old1+old2,new1+new2   # runs in turns; each cell the fastest of its group
 (each run records which normkit it imported, and --compare prints it: run both outside a source
 checkout, whose normkit/ would shadow an install on PYTHONPATH)
 """
@@ -332,7 +333,8 @@ def add_bench_parser(sub):
     p.add_argument("--compare", type=_dirs, metavar="DIRS",
                    help="compare the results of these comma-separated DIRs (or .json files), run by run: "
                         "each cell's GB/s, last / first (an A/B: the old run first), the spread of repeated "
-                        "runs, the cells below 0.98 and over 3%%; measures nothing, needs no GPU")
+                        "runs, the cells below 0.98 and over 3%%; A+B: the fastest of runs A and B per cell; "
+                        "measures nothing, needs no GPU")
     p.add_argument("--list", action="store_true", help="print the cases and exit (needs no GPU)")
     p.add_argument("--rep-ms", type=float, default=100, metavar="MS",
                    help="time spent timing each measurement (do_bench on cuda, events on npu; default: 100)")

@@ -308,6 +308,32 @@ def test_compare_lists_a_wrong_cell_and_exits_1(tmp_path, capsys):
     assert "fwd: last / first min 1.000, median 1.000, max 1.000 over 3 cells" in out
 
 
+def test_compare_of_run_groups_keeps_each_cells_fastest_run(tmp_path, capsys):
+    # runs 1 and 3 of one code (run 3's forward of the first case 1.25x slower: a dip), run 2 of
+    # the other; "r0+r2" is the fastest of the two per cell and direction
+    dirs, case = _runs(tmp_path, 1.25)
+    gbps = case.bytes()[0] / 1.0 / 1e6
+    assert cli.main(["bench", "--compare", f"{dirs[2]}+{dirs[0]},{dirs[1]}"]) == 0
+    out = capsys.readouterr().out
+    assert f"run 1: {dirs[2]}+{dirs[0]} (" in out and "the fastest of 2 runs per cell)" in out
+    line = next(x for x in out.splitlines() if x.startswith("rms_norm bfloat16 131072x1024 normkit"))
+    assert f"fwd {bench._num(gbps)} {bench._num(gbps)} x1.000 ~0.0%" in line
+    assert "below 0.98: 0" in out and "spread over 3%: 0" in out
+    parts, rows = bench.read_best_of(f"{dirs[2]}+{dirs[0]}")
+    assert len(parts) == 2 and len(rows) == 4
+    row = next(r for r in rows if bench.row_key(r) == bench.row_key(case, "normkit"))
+    assert row["fwd_runs"] == [1.25, 1.0] and row["fwd_ms"] == 1.0 and row["bwd_runs"] == [2.0, 2.0]
+    assert row["fwd_frac"] == pytest.approx(gbps / 3000.0)
+
+
+def test_compare_of_run_groups_lists_a_cell_wrong_in_one_run(tmp_path, capsys):
+    dirs, _ = _runs(tmp_path, 1.0, statuses=("ok", "ok", "wrong"))
+    assert cli.main(["bench", "--compare", f"{dirs[0]}+{dirs[2]},{dirs[1]}"]) == 1
+    out = capsys.readouterr().out
+    listed = "not compared (fail / wrong in a run): 1\n  rms_norm bfloat16 131072x1024 normkit fwd: "
+    assert listed + "wrong / ok" in out
+
+
 def test_compare_needs_two_runs(tmp_path, capsys):
     dirs, _ = _runs(tmp_path, 1.0)
     assert cli.main(["bench", "--compare", dirs[0]]) == 2

@@ -11,9 +11,10 @@
 # (or ./gpu-out): old/, new/, new2/, new3/ (results.json; the logs stay in RESULTS), ab.txt, spread.txt.
 # Steps s1 s2 s3 (not in the default): three more back-to-back runs of the new tree's SPREAD_SUITES
 # with `--rounds ${ROUNDS:-2}` (each cell's fastest of ROUNDS passes); spread.txt then compares them
-# (else new, new2, new3). Steps old-b new-b (not in the default; after old new): the A/B's second
-# turn, old and new again over every suite; ab.txt then compares old+old-b with new+new-b, each
-# cell the fastest of its code's two runs (a dip of seconds lands in one run of one code).
+# (else new, new2, new3). Step retry (after old and new): the ops and dtypes of the cells below
+# 0.98 in ab.txt run again, old then new, RETRIES times (default 2; old-r1 new-r1 old-r2 ...);
+# ab.txt then compares old+old-r1+... with new+new-r1+..., each cell its code's fastest run (a dip
+# of seconds lands in one run of one code; both codes get the same runs of the cells retried).
 # STEPS (default "old new new2 new3") runs some of the runs, RESULTS (default $OUT) keeps them: one
 # device call runs 600 s at most, so on one GPU the A/B is calls to the same warm machine with
 # RESULTS=/tmp/ab (kept while it is warm): STEPS=old, STEPS="new new2", STEPS=new3 (or "s1 s2 s3");
@@ -55,16 +56,40 @@ if [ ! -e "$RES/compiled" ]; then
   echo "compiled: $(( $(date +%s) - start )) s"
 fi
 export CUDA_VISIBLE_DEVICES=0
-for run in old new old-b new-b; do
-  [[ $STEPS == *" $run "* ]] || continue
+bench_run() {  # RUN ARGS...: one run of the old tree (RUN old*) or the new one into $RES/RUN
+  local run=$1; shift
   if [[ $run == old* ]]; then  # the old tree on its Python path: one installed before 4e6a466 has no native.cpp
-    NORMKIT_NATIVE=0 PYTHONPATH=$site timeout "${RUN_T:-300}" python3 -m normkit bench $args --out "$RES/$run" \
+    NORMKIT_NATIVE=0 PYTHONPATH=$site timeout "${RUN_T:-300}" python3 -m normkit bench "$@" --out "$RES/$run" \
       > "$RES/$run.txt" 2>&1
   else
-    timeout "${RUN_T:-300}" python3 -m normkit bench $args --out "$RES/$run" > "$RES/$run.txt" 2>&1
+    timeout "${RUN_T:-300}" python3 -m normkit bench "$@" --out "$RES/$run" > "$RES/$run.txt" 2>&1
   fi
   echo "$run: exit $?, $(( $(date +%s) - start )) s"
+}
+ab_compare() {  # ab.txt: old (and its retries) against new (and its retries)
+  local old="$RES/old" new="$RES/new" i
+  for i in $(seq "${RETRIES:-2}"); do
+    [ -e "$RES/old-r$i/results.json" ] && [ -e "$RES/new-r$i/results.json" ] || continue
+    old+="+$RES/old-r$i"; new+="+$RES/new-r$i"
+  done
+  python3 -m normkit bench --compare "$old,$new" > "$OUT/ab.txt" 2>&1
+}
+for run in old new; do
+  [[ $STEPS == *" $run "* ]] && bench_run $run $args
 done
+if [[ $STEPS == *" retry "* ]] && [ -e "$RES/old/results.json" ] && [ -e "$RES/new/results.json" ]; then
+  ab_compare
+  low=$(sed -n '/^below /,/^spread over/p' "$OUT/ab.txt" | grep '^  ')  # "  op dtype shape impl dir ratio"
+  if [ -n "$low" ]; then
+    ops=$(awk '{print $1}' <<< "$low" | sort -u | paste -sd,)
+    dtypes=$(awk '{print $2}' <<< "$low" | sort -u | paste -sd,)
+    echo "retry: $(wc -l <<< "$low") cells below 0.98; --ops $ops --dtypes $dtypes"
+    for i in $(seq "${RETRIES:-2}"); do
+      bench_run "old-r$i" ${args/--dtypes ${DTYPES:-bfloat16,float16,float32}/--dtypes $dtypes} --ops "$ops"
+      bench_run "new-r$i" ${args/--dtypes ${DTYPES:-bfloat16,float16,float32}/--dtypes $dtypes} --ops "$ops"
+    done
+  fi
+fi
 for run in new2 new3 s1 s2 s3; do
   [[ $STEPS == *" $run "* ]] || continue
   rounds=1; [[ $run == s* ]] && rounds=${ROUNDS:-2}
@@ -73,9 +98,7 @@ for run in new2 new3 s1 s2 s3; do
   echo "$run: exit $?, $(( $(date +%s) - start )) s"
 done
 if [ -e "$RES/old/results.json" ] && [ -e "$RES/new/results.json" ]; then
-  ab="$RES/old,$RES/new"
-  [ -e "$RES/old-b/results.json" ] && [ -e "$RES/new-b/results.json" ] && ab="$RES/old+$RES/old-b,$RES/new+$RES/new-b"
-  python3 -m normkit bench --compare "$ab" > "$OUT/ab.txt" 2>&1
+  ab_compare
 fi
 spread_runs="new new2 new3"
 [ -e "$RES/s1/results.json" ] && spread_runs="s1 s2 s3"
@@ -83,8 +106,9 @@ runs=$(for r in $spread_runs; do [ -e "$RES/$r/results.json" ] && printf '%s,' "
 if [ "$(tr -cd , <<< "$runs" | wc -c)" -ge 2 ]; then
   python3 -m normkit bench --compare "${runs%,}" > "$OUT/spread.txt" 2>&1
 fi
-for r in old new old-b new-b new2 new3 s1 s2 s3; do  # what this call ran comes back with it: results.json
-  [[ $STEPS == *" $r "* ]] || continue  # only (the device tool brings back a limited number of files)
+for r in old new old-r1 new-r1 old-r2 new-r2 new2 new3 s1 s2 s3; do  # what this call ran comes back with it: results.json
+  made=$r; [[ $r == *-r[0-9] ]] && made=retry  # (the device tool brings back a limited number of files)
+  [[ $STEPS == *" $made "* ]] && [ -e "$RES/$r.txt" ] || continue
   mkdir -p "$OUT/$r"
   [ "$RES" = "$OUT" ] || cp "$RES/$r/results.json" "$OUT/$r/" 2>/dev/null
   rm -rf "$OUT/$r/plots"

@@ -915,12 +915,12 @@ def write_outputs(out_dir, parts, rows) -> str:
 
 
 def read_best_of(source):
-    """(parts, rows) of ``source``, or of the runs ``A+B+...`` it joins with ``+``: one run of the
-    same code and cases each (e.g. the old and the new code run in turns, A/B/A/B), each cell
-    keeping every direction's fastest run that timed it ``ok`` (a cell not ``ok`` in a run keeps
-    that run's status; ``{fwd,bwd}_runs`` list every run's ms). What ``--rounds`` does within one
-    run, across runs: a disturbance that outlasts a run's pass over neighbouring cells lands in one
-    run. A cell missing from a run is dropped."""
+    """(parts, rows) of ``source``, or of the runs ``A+B+...`` it joins with ``+``: runs of one code
+    (e.g. the old and the new code run in turns, A/B/A/B), the cells of run A, each keeping every
+    direction's fastest run that timed it ``ok`` (a cell not ``ok`` in a run keeps that run's
+    status; ``{fwd,bwd}_runs`` list every run's ms). A later run may hold some of A's cells only
+    (a retry of some ops): the others keep A's. What ``--rounds`` does within one run, across runs:
+    a disturbance that outlasts a run's pass over neighbouring cells lands in one run."""
     runs = [read_json(src) for src in source.split("+")]
     if len(runs) == 1:
         return runs[0]
@@ -928,9 +928,7 @@ def read_best_of(source):
     by_key = [{row_key(r): r for r in rows} for _, rows in runs]
     rows = []
     for key, first in by_key[0].items():
-        cells = [b.get(key) for b in by_key]
-        if None in cells:
-            continue
+        cells = [first] + [b[key] for b in by_key[1:] if key in b]
         row = dict(first)
         for d in ("fwd", "bwd"):
             bad = [c[f"{d}_status"] for c in cells if c[f"{d}_status"] != "ok"]

@@ -326,6 +326,26 @@ def test_compare_of_run_groups_keeps_each_cells_fastest_run(tmp_path, capsys):
     assert row["fwd_frac"] == pytest.approx(gbps / 3000.0)
 
 
+def test_compare_of_run_groups_with_a_partial_retry(tmp_path, capsys):
+    # the new code's first run (r2) has the dip; a retry of that one cell (of each code) restores
+    # it, and the cells the retries did not run keep their first run's
+    dirs, case = _runs(tmp_path, 1.25)
+    for name, ms in (("old-r1", 1.1), ("new-r1", 1.01)):
+        (tmp_path / name).mkdir()
+        row = bench.make_row(case, "normkit", 3000.0, ("ok", ms), ("ok", 2.0))
+        bench.write_json(tmp_path / name / "results.json", [meta(3000.0)], [row])
+    old, new = f"{dirs[0]}+{tmp_path / 'old-r1'}", f"{dirs[2]}+{tmp_path / 'new-r1'}"
+    assert cli.main(["bench", "--compare", f"{old},{new}"]) == 0
+    out = capsys.readouterr().out
+    assert "4 cells in every run" in out and "below 0.98: 0" in out
+    line = next(x for x in out.splitlines() if x.startswith("rms_norm bfloat16 131072x1024 normkit"))
+    assert "x0.990" in line  # the old's 1.0 ms against the new's best, 1.01 ms
+    _, rows = bench.read_best_of(new)
+    by = {bench.row_key(r): r for r in rows}
+    assert by[bench.row_key(case, "normkit")]["fwd_runs"] == [1.25, 1.01]
+    assert all(len(r["fwd_runs"]) == 1 for k, r in by.items() if k != bench.row_key(case, "normkit"))
+
+
 def test_compare_of_run_groups_lists_a_cell_wrong_in_one_run(tmp_path, capsys):
     dirs, _ = _runs(tmp_path, 1.0, statuses=("ok", "ok", "wrong"))
     assert cli.main(["bench", "--compare", f"{dirs[0]}+{dirs[2]},{dirs[1]}"]) == 1

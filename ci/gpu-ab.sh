@@ -106,8 +106,9 @@ runs=$(for r in $spread_runs; do [ -e "$RES/$r/results.json" ] && printf '%s,' "
 if [ "$(tr -cd , <<< "$runs" | wc -c)" -ge 2 ]; then
   python3 -m normkit bench --compare "${runs%,}" > "$OUT/spread.txt" 2>&1
 fi
-for r in old new old-r1 new-r1 old-r2 new-r2 new2 new3 s1 s2 s3; do  # what this call ran comes back with it: results.json
-  made=$r; [[ $r == *-r[0-9] ]] && made=retry  # (the device tool brings back a limited number of files)
+retries=$(for i in $(seq "${RETRIES:-2}"); do printf 'old-r%s new-r%s ' "$i" "$i"; done)
+for r in old new $retries new2 new3 s1 s2 s3; do  # what this call ran comes back with it: results.json
+  made=$r; [[ $r == *-r[0-9]* ]] && made=retry  # (the device tool brings back a limited number of files)
   [[ $STEPS == *" $made "* ]] && [ -e "$RES/$r.txt" ] || continue
   mkdir -p "$OUT/$r"
   [ "$RES" = "$OUT" ] || cp "$RES/$r/results.json" "$OUT/$r/" 2>/dev/null

@@ -9,6 +9,12 @@
 # SPREAD_SUITES (the two repeat runs: sweep, as issue 43 states the spread), NATIVE (1: build the new
 # tree's native host path first, `normkit native`; 0: the Python path). Logs and results under $OUT
 # (or ./gpu-out): old/, new/, new2/, new3/ (results.json; the logs stay in RESULTS), ab.txt, spread.txt.
+# BENCH (default new): the old runs use this tree's bench (normkit/bench.py, bench_plan.py, cli.py,
+# __main__.py copied over the old install, which keeps its own ops, kernels and references), so both
+# codes are timed the same way: where the bench's measuring point moved (since d420823 it times the
+# backward of a later call's graph, not the first call's), the old tree's own bench (BENCH=old)
+# times another point, and a kernel whose time depends on its buffers' addresses reads differently
+# (docs/tuning-log.md T109).
 # Steps s1 s2 s3 (not in the default): three more back-to-back runs of the new tree's SPREAD_SUITES
 # with `--rounds ${ROUNDS:-2}` (each cell's fastest of ROUNDS passes); spread.txt then compares them
 # (else new, new2, new3). Step retry (after old and new): the ops and dtypes of the cells below
@@ -37,16 +43,22 @@ site=$RES/old-site  # (kept between steps in RESULTS; never under OUT, whose fil
 [ "$RES" = "$OUT" ] && site=$(mktemp -d)
 [ -d "$site/normkit" ] || python3 -m pip install -q --no-deps --no-build-isolation --target "$site" "$OLD" 2>&1 \
   | grep -v WARNING | tail -2
+if [ "${BENCH:-new}" = new ]; then  # the old code timed by this tree's bench
+  osite=$site-bench; rm -rf "$osite"; cp -r "$site" "$osite"
+  cp normkit/bench.py normkit/bench_plan.py normkit/cli.py normkit/__main__.py "$osite/normkit/"
+else
+  osite=$site
+fi
 cd "$(mktemp -d)" || exit 1
 args="--suite ${SUITES:-sweep,small,image} --dtypes ${DTYPES:-bfloat16,float16,float32} --impls normkit"
-echo "old: $(PYTHONPATH=$site python3 -c 'import normkit; print(normkit.__file__)')"
+echo "old: $(PYTHONPATH=$osite python3 -c 'import normkit; print(normkit.__file__)')"
 echo "new: $(python3 -c 'import normkit; print(normkit.__file__)')"
 # Compile both installs' kernels first (once a machine): 8 shards each with 1 ms timings
 # (discarded), over every GPU.
 gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 if [ ! -e "$RES/compiled" ]; then
   for i in 0 1 2 3 4 5 6 7; do
-    (CUDA_VISIBLE_DEVICES=$((i % gpus)) NORMKIT_NATIVE=0 PYTHONPATH=$site timeout 100 python3 -m normkit bench \
+    (CUDA_VISIBLE_DEVICES=$((i % gpus)) NORMKIT_NATIVE=0 PYTHONPATH=$osite timeout 100 python3 -m normkit bench \
        $args --shard "$i/8" --rep-ms 1 --warmup-ms 1 > /dev/null 2>&1) &
     (CUDA_VISIBLE_DEVICES=$((i % gpus)) timeout 100 python3 -m normkit bench $args \
        --shard "$i/8" --rep-ms 1 --warmup-ms 1 > /dev/null 2>&1) &
@@ -59,7 +71,7 @@ export CUDA_VISIBLE_DEVICES=0
 bench_run() {  # RUN ARGS...: one run of the old tree (RUN old*) or the new one into $RES/RUN
   local run=$1; shift
   if [[ $run == old* ]]; then  # the old tree on its Python path: one installed before 4e6a466 has no native.cpp
-    NORMKIT_NATIVE=0 PYTHONPATH=$site timeout "${RUN_T:-300}" python3 -m normkit bench "$@" --out "$RES/$run" \
+    NORMKIT_NATIVE=0 PYTHONPATH=$osite timeout "${RUN_T:-300}" python3 -m normkit bench "$@" --out "$RES/$run" \
       > "$RES/$run.txt" 2>&1
   else
     timeout "${RUN_T:-300}" python3 -m normkit bench "$@" --out "$RES/$run" > "$RES/$run.txt" 2>&1

@@ -2,8 +2,8 @@
 
 A BatchNorm training backward (``torch.autograd.grad`` with retain_graph, as ``normkit bench``
 times it) timed on three graphs of the same inputs in one process: ``first`` (the first call's, as
-the bench before d420823 timed it), ``later`` (the graph of the fourth call, as the bench times it
-since), ``bench`` (after a ``do_bench`` of the forward, then three calls: the bench's own order).
+the bench before d420823 timed it), ``later`` (the fourth call's: a later call's, as the bench times
+it since), ``bench`` (the fourth call after a ``do_bench`` of the forward: the bench's own order).
 Each line: the median of ``do_bench``, GB/s (read x and dy, write dx), and the kernels of one
 backward with their GPU µs (torch.profiler). The kernels and their arguments are the same at every
 point; what changes is where dx, the workspace and the saved statistics sit. Run on a GPU, with the
@@ -17,6 +17,7 @@ import sys
 import torch
 import triton
 from torch.profiler import ProfilerActivity, profile
+from triton.testing import do_bench
 
 import normkit
 
@@ -27,18 +28,18 @@ def graph_points(shape, dtype):
     x, dy = (torch.randn(shape, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
     w, b = (torch.randn(shape[1], device="cuda", dtype=dtype, generator=gen) * 0.5 + s for s in (1.0, 0.0))
     x, w, b = (t.requires_grad_() for t in (x, w, b))
-    rm, rv = torch.zeros_like(w, requires_grad=False), torch.ones_like(w, requires_grad=False)
+    rm, rv = torch.zeros_like(w), torch.ones_like(w)
     call = functools.partial(normkit.batch_norm, x, rm, rv, w, b, True, 0.1, 1e-5)
     nbytes = 3 * x.numel() * x.element_size()
     for point in ("first", "later", "bench"):
         if point == "bench":
-            triton.testing.do_bench(call, warmup=25, rep=100)
+            do_bench(call, warmup=25, rep=100)
         for _ in range(1 if point == "first" else 4):
             y = call()
         backward = functools.partial(torch.autograd.grad, y, (x, w, b), dy, retain_graph=True)
         for _ in range(3):
             backward()
-        ms = triton.testing.do_bench(backward, warmup=25, rep=200)
+        ms = do_bench(backward, warmup=25, rep=200)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             backward()

@@ -1,6 +1,7 @@
-"""`normkit info | check | bench`: what serves each device, a correctness sweep, timings.
+"""`normkit info | check | bench | native`: what serves each device, a correctness sweep, timings, the
+C++ extensions built.
 
-The sweep (`normkit check`) runs every op x dtype x representative shape, forward and backward,
+The sweep (`normkit check`) runs each op of OPS x dtype x representative shape, forward and backward,
 through the public API on the best available device and compares with normkit.reference in fp64.
 
 Nothing here imports torch or Triton before the arguments are parsed (the commands import them), so

@@ -302,12 +302,16 @@ def _op_cases(device):
         ("rms_norm-replicate", lambda x, w: normkit.rms_norm(x, (16,), w, 1e-6),
          lambda x, w: F.rms_norm(x, (16,), w, 1e-6), (2, 6, 16), Replicate(), ((16,),)),
         ("add_layer_norm-seq", add_ln(True), add_ln(False), (2, 6, 16), Shard(1), ((16,), (16,))),
+        ("add_rms_norm-seq", lambda x, r, w: normkit.add_rms_norm(x, r, (16,), w, 1e-6),
+         lambda x, r, w: F.rms_norm(x + r, (16,), w, 1e-6), (2, 6, 16), Shard(1), ((16,),)),
         ("softmax-heads", lambda x: normkit.softmax(x, -1), lambda x: F.softmax(x, -1), (2, 4, 6, 6),
          Shard(1), ()),
         ("log_softmax-seq", lambda x: normkit.log_softmax(x, 1), lambda x: F.log_softmax(x, 1), (2, 6, 8),
          Shard(2), ()),
         ("group_norm-batch", lambda x, w, b: normkit.group_norm(x, 2, w, b),
          lambda x, w, b: F.group_norm(x, 2, w, b), (4, 8, 5), Shard(0), ((8,), (8,))),
+        ("instance_norm-batch", lambda x, w, b: normkit.instance_norm(x, weight=w, bias=b),
+         lambda x, w, b: F.instance_norm(x, weight=w, bias=b), (4, 8, 5), Shard(0), ((8,), (8,))),
         ("batch_norm-replicate", lambda x, w, b: normkit.batch_norm(x, None, None, w, b, True),
          lambda x, w, b: F.batch_norm(x, None, None, w, b, True), (4, 8, 5), Replicate(), ((8,), (8,))),
     ]  # fmt: skip
@@ -359,16 +363,11 @@ def scenario_ops(device, rank):
 
 def _double_backward_cases():
     """(name, normkit fn, torch fn, global input shape, placement, parameter shapes): ops whose
-    gradient is differentiated again (a gradient penalty on a sharded activation): five of
-    :func:`_op_cases` and add_rms_norm."""
-    from torch.distributed.tensor import Shard
-
-    F = torch.nn.functional
-    names = ("layer_norm-seq", "rms_norm-seq", "softmax-heads", "group_norm-batch", "batch_norm-replicate")
-    cases = [c for c in _op_cases(None) if c[0] in names]
-    cases.insert(2, ("add_rms_norm-seq", lambda x, r, w: normkit.add_rms_norm(x, r, (16,), w, 1e-6),
-                     lambda x, r, w: F.rms_norm(x + r, (16,), w, 1e-6), (2, 6, 16), Shard(1), ((16,),)))
-    return cases
+    gradient is differentiated again (a gradient penalty on a sharded activation): six of
+    :func:`_op_cases`."""
+    names = ("layer_norm-seq", "rms_norm-seq", "add_rms_norm-seq", "softmax-heads", "group_norm-batch",
+             "batch_norm-replicate")  # fmt: skip
+    return [c for c in _op_cases(None) if c[0] in names]
 
 
 def _penalty(fn, acts, params, dy, full):
@@ -457,6 +456,9 @@ def scenario_errors(device, rank):
     mesh = init_device_mesh(device, (WORLD,))
     x = torch.randn(4, 6, 16, device=device)
     w = distribute_tensor(torch.ones(16, device=device), mesh, [Replicate()])
+    rm, rv = torch.zeros(6, device=device), torch.ones(6, device=device)  # running statistics of 6 channels
+    other = init_device_mesh(device, (WORLD,), mesh_dim_names=("other",))  # the same ranks, another mesh
+    w_other = distribute_tensor(torch.ones(16, device=device), other, [Replicate()])
     cases = {
         "layer_norm-shard-normalized-dim": lambda: normkit.layer_norm(
             distribute_tensor(x, mesh, [Shard(2)]), (16,), w),
@@ -477,6 +479,14 @@ def scenario_errors(device, rank):
             distribute_tensor(x.transpose(1, 2).contiguous(), mesh, [Shard(0)]), None, None, training=True),
         "group_norm-shard-channels": lambda: normkit.group_norm(
             distribute_tensor(x.transpose(1, 2).contiguous(), mesh, [Shard(1)]), 2),
+        "instance_norm-running-stats-shard-batch": lambda: normkit.instance_norm(
+            distribute_tensor(x, mesh, [Shard(0)]), rm, rv),
+        "batch_norm-eval-shard-channels": lambda: normkit.batch_norm(
+            distribute_tensor(x, mesh, [Shard(1)]), rm, rv),
+        "layer_norm-weight-on-another-mesh": lambda: normkit.layer_norm(
+            distribute_tensor(x, mesh, [Shard(0)]), (16,), w_other),
+        "batch_norm-sharded-running-mean": lambda: normkit.batch_norm(
+            distribute_tensor(x, mesh, [Replicate()]), distribute_tensor(rm, mesh, [Shard(0)]), rv),
     }  # fmt: skip
     out = {}
     for name, call in cases.items():
@@ -715,6 +725,10 @@ def test_dtensor_ops_compile_fullgraph(report):
     ("layer_norm-plain-input-dtensor-weight", ["weight is a DTensor", "input is a Tensor"]),
     ("batch_norm-train-shard-batch", ["input", "Shard(dim=0)", "SyncBatchNorm"]),
     ("group_norm-shard-channels", ["input", "Shard(dim=1)", "Shard(0)"]),
+    ("instance_norm-running-stats-shard-batch", ["input", "Shard(dim=0)", "running statistics"]),
+    ("batch_norm-eval-shard-channels", ["input", "Shard(dim=1)", "d != 1"]),
+    ("layer_norm-weight-on-another-mesh", ["weight", "mesh", "expected the input's mesh"]),
+    ("batch_norm-sharded-running-mean", ["running_mean", "Shard(dim=0)", "Replicate()"]),
 ])  # fmt: skip
 def test_unsupported_placements_raise_clear_errors(report, case, words):
     for results in _result(report, "errors"):

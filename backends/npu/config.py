@@ -36,7 +36,7 @@ INTERPRETER_CORES = 4
 MAX_GRID = 65535
 # Rows that fit are held whole in UB: one HBM read of each row in the forward and one in the backward.
 # A tile is ROWS rows of WIDTH columns, WIDTH = N rounded up to a power of two (at least MIN_WIDTH:
-# 64-byte fp32 rows, the vector unit's block). Rows shorter than BLOCK_SIZE / 2 share a tile of
+# 64-byte fp32 rows, the vector unit's block). Rows of at most BLOCK_SIZE / 2 share a tile of
 # BLOCK_SIZE elements instead of padding one each; a longer row that fits is one tile of WIDTH, i.e.
 # its WIDTH / BLOCK_SIZE column tiles at once. Longer rows loop over BLOCK_SIZE column tiles.
 MIN_WIDTH = 16

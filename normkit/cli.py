@@ -20,7 +20,7 @@ import time
 from normkit import __version__, bench_plan
 
 OPS = ("layer_norm", "rms_norm", "softmax", "log_softmax", "add_layer_norm", "add_rms_norm",
-       "group_norm", "batch_norm")
+       "group_norm", "instance_norm", "batch_norm")
 DEVICE_SHAPES = [(1, 1), (3, 7), (128, 1023), (1151, 1024), (64, 4096), (3, 40999), (2, 1 << 20)]
 INTERPRETER_SHAPES = [(1, 1), (3, 7), (130, 1023), (2, 4096), (2, 40999)]
 # --quick under the interpreter: every op, fwd + bwd, every dtype, both backends' kernels, on rows small

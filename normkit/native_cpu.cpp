@@ -876,6 +876,9 @@ std::optional<at::Tensor> cpu_call(PyObject* const* a, Py_ssize_t n) {
       }
       bool training = a[6] == Py_True;
       if (training ? x->numel() <= x->size(1) : !rm.has_value()) return std::nullopt;
+      // 16-bit training: torch's operator with 16-bit parameters rounds the batch mean to 16 bits;
+      // normkit.cpu runs it with fp32 parameters (its _half_training)
+      if (training && half(*x)) return std::nullopt;
       double momentum = PyFloat_AS_DOUBLE(a[7]);
       return run(*x, [&] { return at::batch_norm(*x, w, b, rm, rv, training, momentum, *eps, false); });
     }

@@ -23,7 +23,7 @@ from normkit import dispatch, reference
 NORM_OPS = ("layer_norm", "rms_norm")
 SOFTMAX_OPS = ("softmax", "log_softmax")
 ADD_OPS = ("add_layer_norm", "add_rms_norm")
-CHANNEL_OPS = ("group_norm", "batch_norm")
+CHANNEL_OPS = ("group_norm", "instance_norm", "batch_norm")
 OPS = NORM_OPS + SOFTMAX_OPS + ADD_OPS + CHANNEL_OPS
 
 # (atol, rtol) per dtype. "fwd": y. "bwd": dx. "param": dweight / dbias, whose atol is further
@@ -369,9 +369,10 @@ def check_case(op, shape, normalized_ndim=1, dtype=torch.float32, device="cpu", 
     if op in ADD_OPS:  # residual + dropout (p = 0.1) + norm, with h used downstream
         return check_add_norm_case(op, shape, dtype, device, dropout_p=0.1, seed=seed)
     if op in CHANNEL_OPS:  # rows (M, N) -> an (N, C, HW) image batch with 8 channels
-        image = (max(shape[0], 2), 8, max(shape[1] // 8, 1))
-        if op == "group_norm":
-            return check_group_norm_case(image, 4, dtype, device, seed=seed)
+        # (instance_norm: HW >= 2, as torch, which refuses one value a channel with input statistics)
+        image = (max(shape[0], 2), 8, max(shape[1] // 8, 2 if op == "instance_norm" else 1))
+        if op in ("group_norm", "instance_norm"):
+            return check_group_norm_case(image, 4, dtype, device, seed=seed, instance=op == "instance_norm")
         return check_batch_norm_case(image, dtype, device, seed=seed)
     if op == "layer_norm" and eps is None:
         eps = 1e-5
@@ -492,17 +493,21 @@ def check_add_norm_case(op, shape, dtype=torch.float32, device="cpu", *, residua
 
 
 def check_group_norm_case(shape, num_groups, dtype=torch.float32, device="cpu", *, weight=True,
-                          bias=True, mean=0.0, seed=0, forward_only=False):
+                          bias=True, mean=0.0, std=1.0, seed=0, forward_only=False, instance=False):
     """group_norm fwd+bwd through the public API vs normkit.reference in fp64. (``forward_only``
     for inputs with a large mean: the backward reads the fp32-stored mean, whose ulp near 1e4 is
-    1e-3, so its gradients are only as good as that, in torch as here.)"""  # fmt: skip
+    1e-3, so its gradients are only as good as that, in torch as here.) ``instance``: instance_norm
+    (its input statistics, no running statistics) against the reference with a group a channel;
+    ``num_groups`` is then ignored."""  # fmt: skip
     g = torch.Generator().manual_seed(seed)
     C = shape[1]
+    if instance:
+        num_groups = C
 
     def rand(s, scale=1.0, offset=0.0):
         return (torch.randn(s, generator=g, dtype=torch.float64) * scale + offset).to(dtype).to(device)
 
-    x, dy = rand(shape, 1.0, mean), rand(shape)
+    x, dy = rand(shape, std, mean), rand(shape)
     w = rand((C,), 0.5, 1.0) if weight else None
     b = rand((C,), 0.5) if bias else None
     n, hw = shape[0], math.prod(shape[2:])
@@ -514,7 +519,10 @@ def check_group_norm_case(shape, num_groups, dtype=torch.float32, device="cpu", 
     )
     poison_allocator(device)
     leaves = [t.detach().requires_grad_(True) if t is not None else None for t in (x, w, b)]
-    y = normkit.group_norm(leaves[0], num_groups, leaves[1], leaves[2], 1e-5)
+    if instance:
+        y = normkit.instance_norm(leaves[0], weight=leaves[1], bias=leaves[2], eps=1e-5)
+    else:
+        y = normkit.group_norm(leaves[0], num_groups, leaves[1], leaves[2], 1e-5)
     y.backward(dy)
     used = {}
     grad = lambda t: None if t is None else t.grad  # noqa: E731
@@ -534,19 +542,23 @@ def check_group_norm_case(shape, num_groups, dtype=torch.float32, device="cpu", 
 
 
 def check_batch_norm_case(shape, dtype=torch.float32, device="cpu", *, training=True, weight=True,
-                          bias=True, mean=0.0, seed=0):
+                          bias=True, mean=0.0, std=1.0, seed=0, running="fp32"):
     """batch_norm fwd+bwd through the public API vs normkit.reference in fp64 (eval mode uses
-    random running statistics)."""  # fmt: skip
+    random running statistics). x = mean + std * randn; ``running``: the running statistics in
+    "fp32", in the input's dtype ("input"; their update checked to one rounding), or "none"
+    (training only)."""  # fmt: skip
     g = torch.Generator().manual_seed(seed)
     C = shape[1]
 
     def rand(s, scale=1.0, offset=0.0, dt=dtype):
         return (torch.randn(s, generator=g, dtype=torch.float64) * scale + offset).to(dt).to(device)
 
-    x, dy = rand(shape, 1.0, mean), rand(shape)
+    x, dy = rand(shape, std, mean), rand(shape)
     w = rand((C,), 0.5, 1.0) if weight else None
     b = rand((C,), 0.5) if bias else None
-    running = [rand((C,), 0.5, dt=torch.float32), rand((C,), 0.1, 1.0, dt=torch.float32).abs()]
+    running_dtype = {"fp32": torch.float32, "input": dtype, "none": None}[running]
+    running = [] if running_dtype is None else [rand((C,), 0.5, dt=running_dtype),
+                                                rand((C,), 0.1, 1.0, dt=running_dtype).abs()]  # fmt: skip
     n, hw = shape[0], math.prod(shape[2:])
     x3 = fp64(x).reshape(n, C, hw)
     up = lambda t: None if t is None else fp64(t)  # noqa: E731
@@ -561,10 +573,12 @@ def check_batch_norm_case(shape, dtype=torch.float32, device="cpu", *, training=
     )
     poison_allocator(device)
     leaves = [t.detach().requires_grad_(True) if t is not None else None for t in (x, w, b)]
-    y = normkit.batch_norm(leaves[0], *running, leaves[1], leaves[2], training=training, momentum=0.1)
+    y = normkit.batch_norm(leaves[0], *(running or (None, None)), leaves[1], leaves[2], training=training,
+                           momentum=0.1)  # fmt: skip
     y.backward(dy)
+    rtol = 1e-5 if running_dtype in (None, torch.float32, torch.float64) else torch.finfo(running_dtype).eps
     for name, got, ref in zip(("running_mean", "running_var"), running, running_ref):
-        torch.testing.assert_close(fp64(got), ref, rtol=1e-5, atol=1e-6,
+        torch.testing.assert_close(fp64(got), ref, rtol=rtol, atol=1e-6,
                                    msg=lambda m, name=name: f"{name}: {m}")  # fmt: skip
     grad = lambda t: None if t is None else t.grad  # noqa: E731
     used = {}

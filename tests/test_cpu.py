@@ -412,6 +412,27 @@ def test_batch_norm(request, shape, dtype, training):
     check_batch_norm_case(shape, dtype, "cpu", training=training)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("running", ["none", "input", "fp32"])
+@pytest.mark.parametrize("params", [True, False], ids=["affine", "no-affine"])
+def test_16bit_batch_norm_training_statistics_in_fp32(no_reference, dtype, running, params):
+    """16-bit training BatchNorm, x = 3 + 0.01 randn: fp32 statistics whatever the running statistics'
+    and parameters' dtypes (torch's operator with 16-bit or no parameters rounds the batch mean to
+    16 bits first: errors of 0.08-0.14 on outputs of unit scale; normkit.cpu gives it fp32 ones).
+    Outputs, gradients and the running statistics' update against fp64."""
+    check_batch_norm_case((4, 8, 64), dtype, "cpu", mean=3.0, std=0.01, running=running, weight=params,
+                          bias=params)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("params", [True, False], ids=["affine", "no-affine"])
+def test_16bit_instance_norm_statistics_in_fp32(no_reference, dtype, params):
+    """instance_norm of a 16-bit input (torch's operator, given fp32 parameters): as BatchNorm above,
+    against fp64, forward and backward."""
+    check_group_norm_case((4, 8, 64), 0, dtype, "cpu", mean=3.0, std=0.01, weight=params, bias=params,
+                          instance=True)  # fmt: skip
+
+
 def test_dropout_and_edge_cases_take_the_full_path():
     """What torch's operators would get wrong for normkit's semantics goes through the reference:
     dropout (normkit's mask), eps = 0 InstanceNorm of a constant channel (NaN, as normkit's

@@ -876,10 +876,25 @@ std::optional<at::Tensor> cpu_call(PyObject* const* a, Py_ssize_t n) {
       }
       bool training = a[6] == Py_True;
       if (training ? x->numel() <= x->size(1) : !rm.has_value()) return std::nullopt;
-      // 16-bit training: torch's operator with 16-bit parameters rounds the batch mean to 16 bits;
-      // normkit.cpu runs it with fp32 parameters (its _half_training)
-      if (training && half(*x)) return std::nullopt;
       double momentum = PyFloat_AS_DOUBLE(a[7]);
+      if (training && half(*x)) {
+        // torch's operator with 16-bit or no parameters rounds the batch mean to 16 bits: run it with
+        // fp32 ones (its mixed-type path, fp32 statistics), the running statistics through fp32
+        // copies written back; the same operators as normkit.cpu._half_training, so the same bits
+        auto f32 = x->options().dtype(at::kFloat);
+        int64_t c = x->size(1);
+        at::Tensor w32 = w ? w->to(at::kFloat) : at::ones({c}, f32);
+        at::Tensor b32 = b ? b->to(at::kFloat) : at::zeros({c}, f32);
+        Opt rm32, rv32;
+        if (rm) rm32 = rm->to(at::kFloat), rv32 = rv->to(at::kFloat);
+        at::Tensor y = run(*x, [&] { return at::batch_norm(*x, w32, b32, rm32, rv32, true, momentum, *eps, false); });
+        if (rm) {
+          at::NoGradGuard no_grad;
+          rm->copy_(*rm32);
+          rv->copy_(*rv32);
+        }
+        return y;
+      }
       return run(*x, [&] { return at::batch_norm(*x, w, b, rm, rv, training, momentum, *eps, false); });
     }
     default:

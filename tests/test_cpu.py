@@ -412,14 +412,22 @@ def test_batch_norm(request, shape, dtype, training):
     check_batch_norm_case(shape, dtype, "cpu", training=training)
 
 
+@pytest.mark.parametrize("route", ["door", "python"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("running", ["none", "input", "fp32"])
 @pytest.mark.parametrize("params", [True, False], ids=["affine", "no-affine"])
-def test_16bit_batch_norm_training_statistics_in_fp32(no_reference, dtype, running, params):
+def test_16bit_batch_norm_training_statistics_in_fp32(no_reference, monkeypatch, route, dtype, running,
+                                                     params):
     """16-bit training BatchNorm, x = 3 + 0.01 randn: fp32 statistics whatever the running statistics'
     and parameters' dtypes (torch's operator with 16-bit or no parameters rounds the batch mean to
-    16 bits first: errors of 0.08-0.14 on outputs of unit scale; normkit.cpu gives it fp32 ones).
-    Outputs, gradients and the running statistics' update against fp64."""
+    16 bits first: errors of 0.08-0.14 on outputs of unit scale; normkit.cpu gives it fp32 ones), on
+    the CPU door (where the extension is built; it serves the calls whose tensors are all of the
+    input's dtype) and on the Python path (the door off). Outputs, gradients and the running
+    statistics' update against fp64."""
+    from normkit import cpu
+
+    if route == "python":
+        monkeypatch.setattr(cpu, "DOOR", None)
     check_batch_norm_case((4, 8, 64), dtype, "cpu", mean=3.0, std=0.01, running=running, weight=params,
                           bias=params)  # fmt: skip
 

@@ -167,6 +167,33 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def interpreter_numpy_problem(triton_version: str, numpy_version: str) -> str:
+    """Why Triton's interpreter cannot run the kernels beside this numpy, or "". Triton 3.6's
+    interpreter calls int() on 1-element arrays (the persistent loops' ``range(pid, n,
+    num_programs)``), which numpy 2.4 refuses with a TypeError inside the first kernel; 3.7 and later
+    squeeze first (ci/triton-lowest.requirements.txt pins numpy < 2.4 for 3.6)."""
+    from packaging.version import Version
+
+    if Version(triton_version).release[:2] < (3, 7) and Version(numpy_version).release[:2] >= (2, 4):
+        return (f"Triton {triton_version}'s interpreter needs numpy < 2.4, found numpy {numpy_version}: "
+                "pip install 'numpy<2.4' (or Triton >= 3.7)")  # fmt: skip
+    return ""
+
+
+def interpreter_status() -> tuple[bool, str]:
+    """Whether Triton's interpreter can run the kernels on CPU tensors here."""
+    if not interpreting():
+        return False, ("Triton kernels on CPU tensors need TRITON_INTERPRET=1 "
+                       "(set by tests/conftest.py on machines without GPU/NPU)")  # fmt: skip
+    if importlib.util.find_spec("triton") is None:
+        return False, "Triton's interpreter needs the `triton` module: pip install 'normkit[cuda]'"
+    import numpy
+    import triton
+
+    problem = interpreter_numpy_problem(triton.__version__, numpy.__version__)
+    return not problem, problem
+
+
 def npu_status() -> tuple[bool, str]:
     """Whether an Ascend NPU can be used; never imports torch_npu where it is not installed."""
     if importlib.util.find_spec("torch_npu") is None:
@@ -207,12 +234,7 @@ class Executor:
         if self.backend in ("reference", "cpu"):
             return True, ""
         if self.device == "cpu":
-            if not interpreting():
-                return False, (
-                    "Triton kernels on CPU tensors need TRITON_INTERPRET=1 "
-                    "(set by tests/conftest.py on machines without GPU/NPU)"
-                )
-            return True, ""
+            return interpreter_status()
         if self.device == "cuda":
             ok, reason = torch.cuda.is_available(), "no CUDA GPU available"
         else:

@@ -9,6 +9,7 @@ TRITON_INTERPRET=1 is set here, before any kernel module is imported, so plain `
 backends' kernels through the interpreter. NORMKIT_CHECK_LAUNCH_KEYS=1 is set here too.
 """
 
+import importlib.util
 import os
 
 # NORMKIT_TEST_GPUS=K (ci/gpu-suite.sh GPUS=K): pytest-xdist worker gwI sees only GPU I % K, so one
@@ -20,7 +21,7 @@ if os.environ.get("NORMKIT_TEST_GPUS") and os.environ.get("PYTEST_XDIST_WORKER",
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from normkit.testing import Executor, npu_status
+from normkit.testing import Executor, interpreter_status, interpreting, npu_status
 
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available() and not npu_status()[0]:
     os.environ["TRITON_INTERPRET"] = "1"
@@ -91,6 +92,12 @@ def in_parts():
 
 
 def pytest_configure(config):
+    # Triton's interpreter that cannot run beside this numpy would skip every interpreter test with one
+    # reason: stop instead, with that reason.
+    if interpreting() and importlib.util.find_spec("triton") is not None:
+        ok, reason = interpreter_status()
+        if not ok:
+            raise pytest.UsageError(reason)
     if os.environ.get("NORMKIT_RECORD_LAUNCHES"):
         from normkit import testing
         from normkit.backends.cuda import launch

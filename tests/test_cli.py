@@ -162,6 +162,35 @@ def test_check_interpret_with_a_device_exits_2(device, capsys):
     assert err.count("\n") == 1
 
 
+@pytest.mark.parametrize("triton_version, numpy_version, refused", [
+    ("3.6.0", "2.4.6", True), ("3.6.0", "2.4.0rc1", True), ("3.6.0", "2.3.5", False),
+    ("3.7.1", "2.4.6", False), ("3.9.0", "2.5.0", False), ("3.2.0", "1.26.4", False),
+])  # fmt: skip
+def test_interpreter_numpy_problem(triton_version, numpy_version, refused):
+    problem = testing.interpreter_numpy_problem(triton_version, numpy_version)
+    assert bool(problem) == refused
+    if refused:
+        assert problem == (f"Triton {triton_version}'s interpreter needs numpy < 2.4, found numpy "
+                           f"{numpy_version}: pip install 'numpy<2.4' (or Triton >= 3.7)")  # fmt: skip
+
+
+def test_check_interpret_where_the_interpreter_cannot_run_exits_2(monkeypatch, capsys):
+    """Triton 3.6 beside numpy 2.4 (what torch 2.11's install line gets without the numpy pin): one
+    line and exit 2, not a TypeError from inside the first kernel."""
+    import numpy
+
+    triton = pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    monkeypatch.setattr(numpy, "__version__", "2.4.6")
+    assert cli.main(["check", "--interpret", "--quick"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert err.startswith("normkit check: --interpret: cuda-kernels-interpreter is unavailable (Triton "
+                          "3.6.0's interpreter needs numpy < 2.4, found numpy 2.4.6: pip install "
+                          "'numpy<2.4'")  # fmt: skip
+
+
 @pytest.mark.parametrize("fails, status", [(False, 0), (True, 1)])
 def test_check_exits_1_when_a_check_fails(fails, status, monkeypatch, capsys):
     """1 means a check failed (and only that: usage errors and missing devices are 2)."""

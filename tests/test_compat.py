@@ -147,8 +147,8 @@ def test_info_names_the_tested_triton_range(capsys):
     assert f"{verdict} the tested range {spec}" in out
 
 
-@pytest.mark.parametrize("version,refused", [("3.6.0", False), ("3.7.1", False), ("3.9.0", True),
-                                             ("3.10.0", True)])
+@pytest.mark.parametrize("version,refused", [("3.6.0", False), ("3.7.1", False), ("3.8.0", True),
+                                             ("3.9.0", True), ("3.10.0", True)])
 def test_rows_in_parts_refused_on_triton_that_gets_them_wrong(monkeypatch, version, refused):
     """More than one part a row only where forced (config.IN_PARTS is off) and the installed Triton is
     below compat.IN_PARTS_WRONG_FROM; one part a row is never refused."""
